@@ -76,6 +76,7 @@ def run_workers(
     timeout_s: float = 60.0,
     start_method: str = "fork",
     threads: int = 1,
+    deadline_margin_s: float = 30.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes and return results by rank.
 
@@ -90,6 +91,8 @@ def run_workers(
             dead or stuck peer ends in :class:`TimeoutError`, never a silent hang.
         start_method: ``"fork"`` (fast, default) or ``"spawn"``.
         threads: ``torch.set_num_threads`` value inside each worker.
+        deadline_margin_s: Extra seconds on top of ``timeout_s`` for process start-up before the
+            parent gives up on the workers.
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -97,7 +100,7 @@ def run_workers(
     Raises:
         ValueError: ``world_size < 1``, or ``init_file`` already exists.
         WorkerError: a worker raised; the message holds its rank and traceback.
-        TimeoutError: not all workers reported within ``timeout_s`` (+ a start-up margin).
+        TimeoutError: not all workers reported within ``timeout_s + deadline_margin_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -118,11 +121,14 @@ def run_workers(
     ]
     for proc in procs:
         proc.start()
+    grace_s = 0.0  # after a failure, peers still blocked in a collective are killed at once
     try:
-        return _collect(results, procs, timeout_s + 30.0)
+        outputs = _collect(results, procs, timeout_s + deadline_margin_s)
+        grace_s = 10.0
+        return outputs
     finally:
         for proc in procs:
-            proc.join(timeout=5)
+            proc.join(timeout=grace_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
