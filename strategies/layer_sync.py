@@ -1,0 +1,46 @@
+"""Lightning adapter: a ``LayerSync`` plugin that swaps BatchNorm layers for :class:`SyncBatchNorm`.
+
+``DDPStrategy.setup`` calls :meth:`CustomSyncBatchNorm.apply` on the LightningModule when fitting
+and ``teardown`` calls :meth:`CustomSyncBatchNorm.revert`. Works on CPU (gloo), where Lightning's
+own ``TorchSyncBatchNorm`` (``torch.nn.SyncBatchNorm``) cannot run.
+
+Example:
+    >>> trainer = Trainer(strategy="custom_ddp", plugins=[CustomSyncBatchNorm()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from lightning.pytorch.plugins import LayerSync
+from torch.nn import Module
+from typing_extensions import override
+
+from strategies.syncbn import SyncBatchNorm
+
+__all__ = ["CustomSyncBatchNorm"]
+
+
+class CustomSyncBatchNorm(LayerSync):
+    """Synchronise the batch statistics of every BatchNorm layer across ranks.
+
+    Args:
+        process_group: Group the layers synchronise over; ``None`` for the whole world.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self._process_group = process_group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the converted layers synchronise over (``None``: the whole world)."""
+        return self._process_group
+
+    @override
+    def apply(self, model: Module) -> Module:
+        """Replace every ``BatchNorm{1,2,3}d`` in ``model`` by :class:`SyncBatchNorm`."""
+        return SyncBatchNorm.convert(model, self._process_group)
+
+    @override
+    def revert(self, model: Module) -> Module:
+        """Turn every :class:`SyncBatchNorm` in ``model`` back into the class it replaced."""
+        return SyncBatchNorm.revert(model)

@@ -1,0 +1,214 @@
+"""Synchronised BatchNorm: batch statistics over the batches of every rank, on any device.
+
+A drop-in for ``torch.nn.BatchNorm{1,2,3}d`` whose training-mode statistics are aggregated over
+all ranks of a process group with exactly one collective in forward and one in backward (the
+math and its hand-derived backward live in :mod:`strategies.syncbn_function`). Unlike
+``torch.nn.SyncBatchNorm`` it runs on CPU/gloo as well as CUDA/NCCL, and it is not a subclass of
+it (torch DDP rejects that class on CPU).
+
+Example:
+    >>> net = SyncBatchNorm.convert(torchvision.models.resnet18())  # doctest: +SKIP
+    >>> net = SyncBatchNorm.revert(net)  # back to BatchNorm2d  # doctest: +SKIP
+
+Pure torch; no Lightning import (the Lightning adapter is :mod:`strategies.layer_sync`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from strategies.syncbn_function import sync_batch_norm
+
+__all__ = ["SyncBatchNorm"]
+
+_BATCH_NORM_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W) with cross-rank statistics.
+
+    Statistics are synchronised only in training mode when ``torch.distributed`` is initialised
+    and the group has more than one rank; otherwise the layer is ordinary BatchNorm (same math,
+    no communication). Eval mode uses the running statistics like torch. Every rank of the group
+    must call forward and backward of this layer the same number of times, also ranks whose
+    local batch is empty.
+
+    Args:
+        num_features: Number of channels C.
+        eps: Added to the variance for numerical stability.
+        momentum: Weight of the batch statistics in the running averages; ``None`` for a
+            cumulative moving average.
+        affine: Learn a per-channel scale and shift.
+        track_running_stats: Keep running mean/variance for eval mode.
+        process_group: Group to synchronise over; ``None`` for the default (world) group.
+        device: Device of parameters and buffers.
+        dtype: Dtype of parameters and buffers.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = process_group
+        # The class `convert` replaced, so that `revert` restores exactly that class.
+        self._original_class: type[_BatchNorm] | None = None
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 3, 4, 5):
+            raise ValueError(
+                f"SyncBatchNorm expects a 2D-5D input (N, C, *), got {input.dim()}D input of "
+                f"shape {tuple(input.shape)}; add a batch dimension for a single sample."
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm was built for num_features={self.num_features} channels, got "
+                f"input of shape {tuple(input.shape)} with {input.shape[1]} channels in dim 1."
+            )
+        if not input.is_floating_point():
+            raise ValueError(
+                f"SyncBatchNorm expects a floating-point input, got dtype {input.dtype}; "
+                f"convert it with .float()."
+            )
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            assert self.num_batches_tracked is not None
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as in torch
+                momentum = 1.0 / float(self.num_batches_tracked)
+        if not self.training and self.running_mean is not None and self.running_var is not None:
+            return self._normalize_with_running_stats(input)
+        group, world_size = self._sync_group()
+        # Running stats are updated only in training (eval without them uses batch stats).
+        update_running = self.training and self.track_running_stats
+        return sync_batch_norm(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if update_running else None,
+            self.running_var if update_running else None,
+            momentum,
+            self.eps,
+            group,
+            world_size,
+        )
+
+    def _sync_group(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The group to synchronise over and its size; ``(None, 1)`` when statistics stay local."""
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        world_size = dist.get_world_size(group)
+        return (group, world_size) if world_size > 1 else (None, 1)
+
+    def _normalize_with_running_stats(self, input: Tensor) -> Tensor:
+        """Eval mode: a fixed per-channel affine map; plain ops, so autograd derives it."""
+        assert self.running_mean is not None and self.running_var is not None
+        shape = (1, -1, *([1] * (input.dim() - 2)))
+        acc_dtype = torch.promote_types(input.dtype, torch.float32)
+        scale = torch.rsqrt(self.running_var.to(acc_dtype) + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        shift = -self.running_mean.to(acc_dtype) * scale
+        if self.bias is not None:
+            shift = shift + self.bias
+        return torch.addcmul(shift.view(shape), input, scale.view(shape)).to(input.dtype)
+
+    @classmethod
+    def convert(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+        """Replace every ``BatchNorm{1,2,3}d`` (and ``nn.SyncBatchNorm``) in ``module`` recursively.
+
+        Parameters and buffers are shared with the replaced layers (not copied), so
+        ``requires_grad``, values, device and dtype carry over; so does the training flag.
+
+        Args:
+            module: A model, or a single BatchNorm layer.
+            process_group: Group the new layers synchronise over; ``None`` for the world.
+
+        Returns:
+            ``module`` itself with its children replaced, or the new layer if ``module`` is one.
+        """
+        if isinstance(module, _BATCH_NORM_CLASSES) and not isinstance(module, cls):
+            converted = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group,
+                device="meta",
+            )
+            converted._original_class = type(module)
+            _move_state(module, converted)
+            return converted
+        for name, child in module.named_children():
+            setattr(module, name, cls.convert(child, process_group))
+        return module
+
+    @staticmethod
+    def revert(module: nn.Module) -> nn.Module:
+        """Undo :meth:`convert`: every :class:`SyncBatchNorm` becomes the class it replaced.
+
+        A layer built directly as :class:`SyncBatchNorm` becomes a ``BatchNorm`` accepting any
+        of the input ranks this class accepts.
+
+        Args:
+            module: A model, or a single :class:`SyncBatchNorm` layer.
+
+        Returns:
+            ``module`` itself with its children reverted, or the new layer if ``module`` is one.
+        """
+        if isinstance(module, SyncBatchNorm):
+            original_class = module._original_class or _BatchNormXd
+            reverted = original_class(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                device="meta",
+            )
+            _move_state(module, reverted)
+            return reverted
+        for name, child in module.named_children():
+            setattr(module, name, SyncBatchNorm.revert(child))
+        return module
+
+
+class _BatchNormXd(_BatchNorm):
+    """BatchNorm for any input rank: what :meth:`SyncBatchNorm.revert` makes of a layer that
+    was not created by :meth:`SyncBatchNorm.convert`."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected a 2D-5D input (N, C, *), got {input.dim()}D")
+
+
+def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
+    """Point ``target``'s parameters and buffers at ``source``'s and copy its mode flags."""
+    # `target` was built on the meta device: nothing is allocated twice, and the shared
+    # tensors keep their device, dtype and requires_grad.
+    for name in ("weight", "bias"):
+        param = getattr(source, name)
+        if param is not None:
+            setattr(target, name, param)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        buffer = getattr(source, name)
+        if buffer is not None:
+            setattr(target, name, buffer)
+    target.train(source.training)
+    if hasattr(source, "qconfig"):  # keep quantisation configs, as torch's converter does
+        target.qconfig = source.qconfig
