@@ -1,0 +1,39 @@
+"""Shared fixtures: one tiny synthetic CIFAR-100 per test session, and DataModules over it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from lit_cifar.data import CIFAR100DataModule
+
+# Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.
+TINY = {"synthetic_train_size": 400, "synthetic_test_size": 200, "val_size": 100, "batch_size": 64}
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> None:
+    # Several test processes and helpers share 2 cores; more intra-op threads only oversubscribe.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data folder whose synthetic set (TINY sizes) is generated once and reused."""
+    root = tmp_path_factory.mktemp("data")
+    make_tiny_datamodule(root).prepare_data()
+    return root
+
+
+def make_tiny_datamodule(data_dir: Path, **overrides: Any) -> CIFAR100DataModule:
+    kwargs = {"data_dir": str(data_dir), "dataset": "synthetic", **TINY, **overrides}
+    return CIFAR100DataModule(**kwargs)
+
+
+@pytest.fixture
+def tiny_datamodule(data_dir: Path) -> Callable[..., CIFAR100DataModule]:
+    """Factory: ``tiny_datamodule(**overrides)`` -> a synthetic DataModule over the session data."""
+    return lambda **overrides: make_tiny_datamodule(data_dir, **overrides)
