@@ -1,0 +1,131 @@
+"""Gradient buckets: which parameters share one flat all-reduce buffer, and the buffers themselves.
+
+A bucket is one flat tensor holding the gradients of several parameters back to back, followed by
+one "used" flag per parameter. Each parameter's ``.grad`` is a view into that buffer (DDP's
+``gradient_as_bucket_view``), so autograd accumulates straight into the memory that is reduced
+and no second gradient-sized copy exists. The flags travel in the same all-reduce: after it, a
+flag > 0 means some rank produced a gradient for that parameter, which lets a parameter that no
+rank used keep ``grad=None`` exactly as in single-process training, at the cost of one element
+per parameter instead of an extra collective.
+
+Assignment follows DDP: parameters in the order given (reverse registration order, roughly the
+order backward produces them), split by (device, dtype), a bucket closes once it reaches its
+byte cap, and the first bucket of each kind has its own, smaller cap so the first all-reduce
+starts early in backward. Pure torch; no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Bucket", "assign_buckets", "build_buckets", "caps_for_mode"]
+
+_MB = 1024 * 1024
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One flat gradient buffer and the per-step bookkeeping of its all-reduce.
+
+    Attributes:
+        index: Position in the launch order; every rank launches buckets in this order.
+        params: Parameters whose gradients live in ``buffer``.
+        buffer: ``[grads of params..., one used-flag per param]``.
+        views: ``views[i]`` is ``params[i]``'s gradient slice, shaped like the parameter.
+        ready: ``ready[i]`` is whether ``params[i]``'s gradient arrived in this backward.
+        pending: How many entries of ``ready`` are still False.
+        launched: Whether this step's all-reduce has been started.
+        all_used: Whether every parameter had a gradient on this rank when it was launched.
+        work: The in-flight all-reduce, if launched and not yet waited on.
+        wire: The (possibly compressed) tensor being reduced; ``buffer`` itself when uncompressed.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    ready: list[bool] = field(default_factory=list)
+    pending: int = 0
+    launched: bool = False
+    all_used: bool = True
+    work: dist.Work | None = None
+    wire: torch.Tensor | None = None
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """One used-flag per parameter, at the tail of ``buffer``."""
+        return self.buffer[self.buffer.numel() - len(self.params) :]
+
+    def reset(self) -> None:
+        """Forget the last step's all-reduce; the gradients stay in ``buffer``."""
+        self.ready = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.launched = False
+        self.all_used = True
+        self.work = None
+        self.wire = None
+
+
+def assign_buckets(
+    params: Sequence[torch.Tensor], cap_mb: float, first_cap_mb: float
+) -> list[list[int]]:
+    """Group parameter indices into buckets of at most about ``cap_mb`` each.
+
+    Args:
+        params: Parameters in the order their gradients are expected (reverse registration).
+        cap_mb: A bucket closes once its gradients reach this many MiB; ``0`` gives one
+            parameter per bucket, ``math.inf`` one bucket per (device, dtype).
+        first_cap_mb: Cap of the first bucket of each (device, dtype).
+
+    Returns:
+        Lists of indices into ``params``, ordered by their first parameter.
+    """
+    open_buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    open_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+    closed: list[list[int]] = []
+    kinds_closed: set[tuple[torch.device, torch.dtype]] = set()
+    for index, param in enumerate(params):
+        kind = (param.device, param.dtype)
+        open_buckets.setdefault(kind, []).append(index)
+        open_bytes[kind] = open_bytes.get(kind, 0) + param.numel() * param.element_size()
+        cap = cap_mb if kind in kinds_closed else min(cap_mb, first_cap_mb)
+        if open_bytes[kind] >= cap * _MB:
+            closed.append(open_buckets.pop(kind))
+            open_bytes.pop(kind)
+            kinds_closed.add(kind)
+    closed.extend(open_buckets.values())
+    return sorted(closed, key=lambda bucket: bucket[0])
+
+
+def build_buckets(params: Sequence[torch.nn.Parameter], groups: list[list[int]]) -> list[Bucket]:
+    """Allocate one zeroed flat buffer per group; carve the parameters' gradient views from it."""
+    buckets = []
+    for bucket_index, group in enumerate(groups):
+        members = [params[i] for i in group]
+        numel = sum(p.numel() for p in members)
+        first = members[0]
+        buffer = torch.zeros(numel + len(members), dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for p in members:
+            views.append(buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        bucket = Bucket(bucket_index, members, buffer, views)
+        bucket.reset()
+        buckets.append(bucket)
+    return buckets
+
+
+def caps_for_mode(
+    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float
+) -> tuple[float, float]:
+    """The ``(cap_mb, first_cap_mb)`` that turn a sync mode into a bucket layout."""
+    if mode in ("per_param", "per_param_overlap"):
+        return 0.0, 0.0
+    if mode == "flat":
+        return math.inf, math.inf
+    return bucket_cap_mb, first_bucket_cap_mb

@@ -1,0 +1,299 @@
+"""``custom_ddp``: Lightning's DDP with hand-written SyncBatchNorm, gradient sync and evaluation.
+
+``CustomDDPStrategy`` subclasses Lightning's ``DDPStrategy``, so launching (popen by default;
+fork/spawn selectable), cluster environments (torchrun, SLURM, Lightning's own), ``num_nodes``,
+the process group and its timeout, ``barrier``/``broadcast``/``reduce`` and checkpoint I/O are
+Lightning's. It replaces three things, each through a public seam of the strategy API:
+
+1. **BatchNorm** (``sync_batchnorm``): at fit setup every ``BatchNorm*d`` becomes
+   :class:`strategies.syncbn.SyncBatchNorm` (one collective forward, one backward) through the
+   :class:`strategies.layer_sync.CustomSyncBatchNorm` plugin; teardown reverts it. The plugin is
+   installed in ``setup`` because Lightning's connector overwrites ``_layer_sync`` after
+   ``__init__``; ``plugins=[CustomSyncBatchNorm(group)]`` works too, and ``Trainer(
+   sync_batchnorm=True)`` (CUDA-only ``torch.nn.SyncBatchNorm``) is swapped for ours.
+2. **Gradients** (``sync_mode``, ``bucket_cap_mb``): the module is wrapped in
+   :class:`strategies.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
+   non-stepping micro-batches of ``accumulate_grad_batches`` inside ``block_backward_sync`` ->
+   ``no_sync()``: no gradient collective at all. ``post_backward`` (after backward, before the
+   precision plugin unscales/clips and ``on_before_optimizer_step``) calls ``finish()``, which
+   leaves rank-averaged gradients in ``p.grad``. ``zero1`` re-creates each optimizer as a
+   :class:`strategies.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
+   consolidated state and every rank loads its shard on resume).
+3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
+   replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
+   over this rank's shard (:mod:`strategies.scattered_evaluation`): rank 0 materialises the
+   dataset and scatters contiguous shards, so every sample is evaluated once. Shards differ by
+   one sample, so ranks run different numbers of batches and nothing may communicate per batch.
+   The module's torchmetrics objects are made exact without the module knowing: their
+   compute-time sync is off for the run and, after a rank's last step of each loader, the sum
+   states of the metrics updated in it are all-reduced in ONE collective
+   (:mod:`strategies.metric_reduction`), before Lightning computes and logs them. The module's
+   side of the contract: log evaluation metrics as torchmetrics objects with sum states
+   (accuracy, ``MeanMetric``, ...) updated in ``validation_step``/``test_step``; plain tensors
+   logged with ``sync_dist=True`` cost a collective per key (and hang with ``on_step=True``).
+   Loggers and the progress bar stay rank-0-only as in Lightning; prediction is unchanged.
+
+Example::
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="custom_ddp", accumulate_grad_batches=4)
+    trainer = Trainer(strategy=CustomDDPStrategy(sync_mode="flat", zero1=True, start_method="fork"))
+    # python train.py fit --trainer.strategy=custom_ddp
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from strategies.grad_sync import MODES, SyncedDataParallel
+from strategies.layer_sync import CustomSyncBatchNorm
+from strategies.scattered_evaluation import ScatteredEvaluation
+from strategies.zero import ShardedOptimizer
+
+__all__ = ["CustomDDPStrategy"]
+
+_REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
+_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+def _check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any) -> None:
+    """Raise one error that lists every bad option with its fix."""
+    problems = [
+        f"{name}={value!r} must be a bool"
+        for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval))
+        if not isinstance(value, bool)
+    ]
+    if sync_mode not in MODES:
+        problems.append(f"sync_mode={sync_mode!r} must be one of {MODES}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        problems.append(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB; DDP's default is 25)")
+    if problems:
+        raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
+
+
+class CustomDDPStrategy(DDPStrategy):
+    """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            As in ``DDPStrategy`` (normally filled in by the Trainer).
+        sync_batchnorm: Convert BatchNorm layers to the hand-written SyncBatchNorm while fitting.
+        sync_mode: Gradient all-reduce schedule: ``"bucketed"`` (overlapped with backward),
+            ``"flat"``, ``"per_param"`` or ``"per_param_overlap"``.
+        bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
+        zero1: Shard optimizer state over ranks (ZeRO stage 1).
+        scatter_eval: Scatter evaluation datasets (each sample once) and reduce metric sums once
+            per epoch; ``False`` falls back to Lightning's ``DistributedSampler`` behaviour.
+        process_group_backend: ``"gloo"``/``"nccl"``; by default gloo on CPU, NCCL on CUDA.
+        timeout: Collective timeout; a dead peer ends the run with an error after it.
+        start_method: ``"popen"`` (default, re-runs the script), ``"fork"`` or ``"spawn"``.
+    """
+
+    strategy_name = "custom_ddp"
+
+    def __init__(
+        self,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        sync_batchnorm: bool = True,
+        sync_mode: Literal["bucketed", "flat", "per_param", "per_param_overlap"] = "bucketed",
+        bucket_cap_mb: float = 25.0,
+        zero1: bool = False,
+        scatter_eval: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        _check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._sync_batchnorm = sync_batchnorm
+        self._sync_mode = sync_mode
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._zero1 = zero1
+        self._scatter_eval = scatter_eval
+        self._evaluation = ScatteredEvaluation()
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        return self._sync_batchnorm
+
+    @property
+    def sync_mode(self) -> str:
+        return self._sync_mode
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        return self._bucket_cap_mb
+
+    @property
+    def zero1(self) -> bool:
+        return self._zero1
+
+    @property
+    def scatter_eval(self) -> bool:
+        return self._scatter_eval
+
+    # ----------------------------------------------------------------- setup / teardown
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and self._sync_batchnorm:
+            self._layer_sync = self._resolve_layer_sync()
+        super().setup(trainer)
+
+    def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
+        if self._layer_sync is None:
+            return CustomSyncBatchNorm()
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
+            return CustomSyncBatchNorm()
+        return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
+
+    @override
+    def _setup_model(self, model: Module) -> SyncedDataParallel:
+        return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb)
+
+    @override
+    def configure_ddp(self) -> None:
+        # No torch DDP, hence none of DDPStrategy's comm hooks: SyncedDataParallel owns the sync.
+        self.model = self._setup_model(self.model)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._zero1:
+            self.optimizers = [self._shard_optimizer(optimizer) for optimizer in self.optimizers]
+
+    def _shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """Re-create ``optimizer`` as a ZeRO-1 ShardedOptimizer and re-point its LR schedulers."""
+        # The group dicts are shared with the original optimizer, so hyperparameters a scheduler
+        # already set (lr, initial_lr) carry over.
+        sharded = ShardedOptimizer.from_optimizer(optimizer)
+        for config in self.lr_scheduler_configs:
+            if config.scheduler.optimizer is optimizer:
+                config.scheduler.optimizer = sharded
+                # torch marks the optimizer a scheduler was built on and warns at the first
+                # scheduler step that the re-pointed one's step() "has been overridden": intended.
+                warnings.filterwarnings("ignore", message=_REPOINTED_SCHEDULER_WARNING, category=UserWarning)
+        return sharded
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, SyncedDataParallel):
+            self.model.remove_hooks()
+            self.model = self.lightning_module
+        self._evaluation.end()
+        super().teardown()
+
+    # ----------------------------------------------------------------- gradient sync
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batch: backward with no gradient communication at all."""
+        if isinstance(self.model, SyncedDataParallel):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        # Runs inside the optimizer closure: before unscaling, clipping and on_before_optimizer_step.
+        if isinstance(self.model, SyncedDataParallel):
+            self.model.finish()
+
+    # ----------------------------------------------------------------- scatter evaluation
+
+    def _scatters_now(self) -> bool:
+        """Whether the loaders being set up / run now belong to scattered evaluation."""
+        module = self.lightning_module
+        if not self._scatter_eval or self.world_size == 1 or module is None or module._trainer is None:
+            return False
+        return module.trainer.state.stage in _EVAL_STAGES
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Evaluation loaders are sharded by the scatter below: let the sampler Lightning injects
+        # be the identity (full dataset, no padding duplicates, no "use devices=1" warning).
+        if self._scatters_now():
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not self._scatters_now():
+            return dataloader
+        device = self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
+        return self._evaluation.loader(dataloader, is_source=self.is_global_zero, world_size=self.world_size,
+                                       device=device)
+
+    def _begin_eval(self) -> None:
+        if self._scatters_now():
+            self._evaluation.begin(self.lightning_module.trainer, self.lightning_module)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._begin_eval()
+
+    @override
+    def on_test_start(self) -> None:
+        self._begin_eval()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._evaluation.after_step()
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._evaluation.after_step()
+        return output
+
+    @override
+    def on_validation_end(self) -> None:
+        self._evaluation.end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._evaluation.end()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="DDP with hand-written SyncBatchNorm, bucketed gradient sync and scatter evaluation",
+        )

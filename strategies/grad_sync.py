@@ -1,0 +1,260 @@
+"""Data-parallel gradient averaging: bucketed, overlapped with backward, accumulation-aware.
+
+:class:`SyncedDataParallel` wraps a module, broadcasts rank 0's parameters and buffers, and
+averages gradients over a process group. The training step is::
+
+    model = SyncedDataParallel(net)                # mode="bucketed" by default
+    for i, batch in enumerate(micro_batches):      # k micro-batches per optimizer step
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss_fn(model(batch)).backward()       # no communication inside no_sync
+    model.finish()                                  # p.grad now holds the average over ranks
+    optimizer.step(); optimizer.zero_grad()
+
+Gradients live as views into flat bucket buffers (:mod:`strategies.buckets`), so micro-batches
+accumulate in place into the memory that is all-reduced. Modes, for comparison:
+
+- ``bucketed``: a bucket's async all-reduce starts from the parameters' post-accumulate-grad
+  hooks as soon as all its gradients are in, so communication overlaps the rest of backward.
+- ``per_param_overlap``: the same with one parameter per bucket.
+- ``flat``: one all-reduce of all gradients (one bucket per dtype), started by :meth:`finish`.
+- ``per_param``: one blocking all-reduce per parameter, run by :meth:`finish`.
+
+Every rank launches buckets in the same fixed order: a bucket whose gradients are ready waits
+for the buckets before it, because collectives are matched by issue order. Buckets that are not
+complete at :meth:`finish` (parameters unused in this backward) are launched there, with zeros
+for the missing gradients, so ranks never desynchronise; a parameter that no rank produced a
+gradient for keeps ``grad=None``. Pure torch; no Lightning import.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from strategies.buckets import Bucket, assign_buckets, build_buckets, caps_for_mode
+
+__all__ = ["SyncedDataParallel", "broadcast_module_state", "group_world_size"]
+
+MODES = ("bucketed", "flat", "per_param", "per_param_overlap")
+_LAUNCHED_FROM_HOOKS = ("bucketed", "per_param_overlap")
+_COMPRESSIONS = (None, "bf16")
+
+
+def group_world_size(process_group: dist.ProcessGroup | None = None) -> int:
+    """World size of ``process_group``; 1 when ``torch.distributed`` is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def broadcast_module_state(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Copy the group's rank 0 parameters and buffers into every rank, one broadcast per dtype."""
+    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        by_kind[(tensor.device, tensor.dtype)].append(tensor.detach())
+    for tensors in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=src, group=process_group)
+        for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(chunk.view_as(tensor))
+
+
+def _check_options(
+    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
+) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; choose one of {MODES}")
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
+    for name, cap in caps.items():
+        if not cap > 0:
+            raise ValueError(
+                f"{name}={cap} must be > 0 MiB (mode='per_param' puts each parameter alone)"
+            )
+    if grad_compression not in _COMPRESSIONS:
+        raise ValueError(f"grad_compression={grad_compression!r} is not one of {_COMPRESSIONS}")
+
+
+def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+
+
+class SyncedDataParallel(nn.Module):
+    """Average gradients of ``module`` over ``process_group`` (see the module docstring).
+
+    Args:
+        module: The network; its trainable parameters get gradient hooks.
+        process_group: Group to average over; the default group when ``None``. Without an
+            initialised ``torch.distributed`` the wrapper runs as world size 1.
+        mode: ``"bucketed"``, ``"flat"``, ``"per_param"`` or ``"per_param_overlap"``.
+        bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
+        first_bucket_cap_mb: Cap of the first (last-layer) bucket in ``"bucketed"``, small so
+            the first all-reduce starts early in backward.
+        grad_compression: ``None`` or ``"bf16"``: reduce fp32/fp64 buckets as bfloat16
+            (half the bytes on the wire, ~3 significant digits).
+        broadcast_init: Broadcast rank 0's parameters and buffers at construction.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        mode: str = "bucketed",
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        grad_compression: str | None = None,
+        broadcast_init: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
+        self.module = module
+        self._process_group = process_group
+        self._world_size = group_world_size(process_group)
+        self._mode = mode
+        self._compression = grad_compression
+        if broadcast_init and self._world_size > 1:
+            broadcast_module_state(module, process_group)
+        # Reverse registration order approximates the order backward produces gradients in.
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        cap_mb, first_cap_mb = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
+        self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb))
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(
+                functools.partial(self._on_grad_ready, bucket, slot)
+            )
+            for bucket in self._buckets
+            for slot, param in enumerate(bucket.params)
+        ]
+        self._sync_enabled = True
+        self._armed = False  # a synced forward/backward ran since the last finish()
+        self._next_launch = 0  # index of the first bucket not launched yet
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The gradient buckets in launch order (read-only use: sizes, parameter grouping)."""
+        return tuple(self._buckets)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync_enabled and torch.is_grad_enabled():
+            self._armed = True
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally with no communication at all."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish(self) -> None:
+        """Complete this backward's all-reduce: afterwards every ``p.grad`` holds the rank average.
+
+        Launches, in bucket order, what backward did not (every bucket in ``flat`` and
+        ``per_param``; buckets with unused parameters otherwise), then waits for all of them.
+        A no-op inside :meth:`no_sync` or when nothing ran since the last call.
+        """
+        if not self._sync_enabled or not self._armed:
+            return
+        blocking = self._mode == "per_param"
+        for bucket in self._buckets[self._next_launch :]:
+            self._launch(bucket)
+            if blocking:
+                self._complete(bucket)
+        if not blocking:
+            for bucket in self._buckets:
+                self._complete(bucket)
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._armed = False
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the wrapped module's parameters (before unwrapping it)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def _on_grad_ready(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+        view = bucket.views[slot]
+        if param.grad is not None and not _is_view_of(param.grad, view):
+            # Grads were set to None (zero_grad default): autograd allocated a fresh gradient.
+            # Move it into the bucket once; later micro-batches accumulate into the view itself.
+            view.copy_(param.grad)
+            param.grad = view
+        if not self._sync_enabled:
+            return
+        self._armed = True
+        if self._mode not in _LAUNCHED_FROM_HOOKS:
+            return
+        if bucket.launched:  # the all-reduce is reading this buffer right now
+            raise RuntimeError(
+                f"A gradient arrived for a bucket whose all-reduce already started (bucket "
+                f"{bucket.index}): call finish() after each synced backward, and run extra "
+                "backward passes of the same step inside no_sync()."
+            )
+        if bucket.ready[slot]:
+            return
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+        # Launch in bucket order only: a ready bucket waits for the ones before it.
+        buckets = self._buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Put every gradient of ``bucket`` into its buffer and start the all-reduce."""
+        bucket.flags.fill_(1)
+        for slot, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+            if param.grad is None:  # no gradient on this rank: contribute zeros, flag unused
+                view.zero_()
+                bucket.flags[slot] = 0
+                bucket.all_used = False
+            elif not _is_view_of(param.grad, view):
+                view.copy_(param.grad)
+                param.grad = view
+        bucket.launched = True
+        self._next_launch = bucket.index + 1
+        if self._world_size == 1:
+            return
+        # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
+        bucket.buffer.div_(self._world_size)
+        wire = bucket.buffer
+        if self._compression == "bf16" and wire.dtype in (torch.float32, torch.float64):
+            wire = wire.to(torch.bfloat16)
+        bucket.wire = wire
+        bucket.work = dist.all_reduce(wire, group=self._process_group, async_op=True)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s all-reduce and point each parameter's grad at its average."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            if bucket.wire is not bucket.buffer:
+                bucket.buffer.copy_(bucket.wire)
+            bucket.work, bucket.wire = None, None
+        if bucket.all_used:
+            return
+        # Some local gradient was missing: a parameter no rank used keeps grad=None, one that
+        # another rank used takes the average like every other parameter.
+        for param, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+            param.grad = view if used > 0 else None

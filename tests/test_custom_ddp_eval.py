@@ -1,0 +1,181 @@
+"""Scatter-based validation/test under custom_ddp on 2 CPU ranks (fork launching).
+
+11 samples on 2 ranks: shards of 6 and 5, batches of 4 -> 2 batches per rank of unequal sizes.
+The logged metrics must equal one process evaluating all 11, each sample seen exactly once,
+with one all-reduce per evaluation epoch and no hang from the uneven batch counts.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics import MeanMetric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from strategies.custom_ddp import CustomDDPStrategy
+
+pytestmark = pytest.mark.distributed
+NUM_SAMPLES = 11
+
+
+class IndexedDataset(Dataset):
+    """(features, label, index): the index lets the test check that each sample is seen once."""
+
+    def __init__(self, n: int = NUM_SAMPLES, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(n, 4, generator=generator)
+        self.labels = torch.randint(0, 3, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, int]:
+        return self.features[i], int(self.labels[i]), i
+
+
+class EvalModule(pl.LightningModule):
+    """Logs torchmetrics objects only; knows nothing about the strategy."""
+
+    def __init__(self, out_dir: Path | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 3)
+        self.out_dir = out_dir
+        self.metrics = nn.ModuleDict({"acc1": MulticlassAccuracy(3, top_k=1, average="micro"),
+                                      "acc2": MulticlassAccuracy(3, top_k=2, average="micro"),
+                                      "loss": MeanMetric(), "count": SumMetric()})
+        self.seen: list[int] = []
+
+    def _evaluate(self, batch, stage: str) -> None:
+        features, labels, indices = batch
+        logits = self.net(features)
+        self.metrics["acc1"](logits, labels)
+        self.metrics["acc2"](logits, labels)
+        self.metrics["loss"](F.cross_entropy(logits, labels, reduction="none"))
+        self.metrics["count"](torch.tensor(float(labels.numel())))
+        self.seen.extend(indices.tolist())
+        for name, metric in self.metrics.items():
+            self.log(f"{stage}/{name}", metric)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        features, labels, _ = batch
+        return F.cross_entropy(self.net(features), labels)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        self._dump_seen("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._dump_seen("test")
+
+    def _dump_seen(self, stage: str) -> None:
+        if self.out_dir is not None and not self.trainer.sanity_checking:
+            (self.out_dir / f"{stage}_seen_rank{self.global_rank}.json").write_text(json.dumps(self.seen))
+        self.seen = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(16, seed=1), batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(), batch_size=4)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(), batch_size=4)
+
+
+class _CountEvalCollectives(Callback):
+    """All collectives from evaluation epoch start to evaluation end (metric compute included)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self._profiler = profile(activities=[ProfilerActivity.CPU])
+        self._profiler.__enter__()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._profiler.__exit__(None, None, None)
+        counts = {e.key: e.count for e in self._profiler.key_averages() if e.key.startswith("c10d::")}
+        (self.out_dir / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
+
+
+def _trainer(strategy, devices: int = 2, **kwargs) -> pl.Trainer:
+    options = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, max_epochs=1,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**options, **kwargs})
+
+
+def _custom(**kwargs) -> CustomDDPStrategy:
+    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **kwargs)
+
+
+def _single_process(stage: str, module: EvalModule) -> dict[str, float]:
+    run = _trainer("auto", devices=1).validate if stage == "val" else _trainer("auto", devices=1).test
+    return run(module, verbose=False)[0]
+
+
+def _assert_metrics_equal(actual: dict, expected: dict, stage: str) -> None:
+    for name in ("acc1", "acc2", "count"):  # ratios of integer counts: bit-exact
+        assert actual[f"{stage}/{name}"] == expected[f"{stage}/{name}"], name
+    assert actual[f"{stage}/count"] == NUM_SAMPLES
+    assert actual[f"{stage}/loss"] == pytest.approx(expected[f"{stage}/loss"], rel=1e-6, abs=0)
+
+
+def _assert_each_sample_once(out_dir: Path, stage: str) -> None:
+    seen = [json.loads((out_dir / f"{stage}_seen_rank{rank}.json").read_text()) for rank in range(2)]
+    assert [len(part) for part in seen] == [6, 5]
+    assert sorted(seen[0] + seen[1]) == list(range(NUM_SAMPLES))
+
+
+@pytest.mark.parametrize("stage", ["val", "test"])
+def test_uneven_shards_give_the_single_process_metric(tmp_path, stage: str) -> None:
+    trainer = _trainer(_custom(), callbacks=[_CountEvalCollectives(tmp_path)])
+    run = trainer.validate if stage == "val" else trainer.test
+    actual = run(EvalModule(tmp_path), verbose=False)[0]
+    _assert_metrics_equal(actual, _single_process(stage, EvalModule()), stage)
+    _assert_each_sample_once(tmp_path, stage)
+    if stage == "val":
+        for rank in range(2):
+            counts = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
+            assert counts == {"c10d::allreduce_": 1}, counts  # one reduction per epoch, nothing per batch
+
+
+def test_fit_validation_is_exact_after_sanity_check(tmp_path) -> None:
+    module = EvalModule(tmp_path)
+    trainer = _trainer(_custom(), num_sanity_val_steps=2, max_epochs=2)
+    trainer.fit(module)  # the parent's module gets rank 0's final weights
+    actual = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    _assert_each_sample_once(tmp_path, "val")
+    module.out_dir = None
+    _assert_metrics_equal(actual, _single_process("val", module), "val")
+
+
+def test_without_scatter_lightning_pads_with_duplicates() -> None:
+    # The failure mode scatter evaluation removes: DistributedSampler pads 11 samples to 12.
+    actual = _trainer(_custom(scatter_eval=False)).validate(EvalModule(), verbose=False)[0]
+    assert actual["val/count"] == NUM_SAMPLES + 1
+
+
+def test_more_ranks_than_samples_is_a_clear_error() -> None:
+    module = EvalModule()
+    module.val_dataloader = lambda: DataLoader(IndexedDataset(1), batch_size=4)
+    with pytest.raises(Exception, match="at least one per rank"):
+        _trainer(_custom()).validate(module, verbose=False)
