@@ -292,8 +292,13 @@ class CustomDDPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DDP with hand-written SyncBatchNorm, bucketed gradient sync and scatter evaluation",
-        )
+        description = "DDP with hand-written SyncBatchNorm, bucketed gradient sync and scatter evaluation"
+        strategy_registry.register(cls.strategy_name, cls, description=description)
+        # Like Lightning's ddp_fork / ddp_spawn: the same strategy with another start method.
+        for start_method in ("fork", "spawn"):
+            strategy_registry.register(
+                f"{cls.strategy_name}_{start_method}",
+                cls,
+                description=f"{description}, processes started with {start_method}",
+                start_method=start_method,
+            )

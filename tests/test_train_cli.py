@@ -47,12 +47,19 @@ def test_print_config_from_the_command_line() -> None:
     assert config["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.TensorBoardLogger"
 
 
+def _strategy_name(strategy: str | dict) -> str:
+    return strategy["class_path"] if isinstance(strategy, dict) else strategy
+
+
 @pytest.mark.parametrize(
     ("configs", "expected"),
     [
         (("cifar100_resnet18.yaml",), {"net": "resnet18", "devices": -1, "dataset": "cifar100"}),
-        (("cifar100_template_net.yaml",), {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32}),
-        (("quickstart.yaml", "ddp_cpu.yaml"), {"net": "template", "devices": 2, "dataset": "auto"}),
+        (("cifar100_template_net.yaml",),
+         {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "custom_ddp"}),
+        (("custom_ddp_cpu.yaml",), {"devices": 2, "accumulate": 2, "strategy": "strategies.custom_ddp.CustomDDPStrategy"}),
+        (("quickstart.yaml", "ddp_cpu.yaml"),
+         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "lightning.pytorch.strategies.DDPStrategy"}),
     ],
 )
 def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str, ...], expected: dict) -> None:
@@ -63,6 +70,7 @@ def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str
         "dataset": config["data"]["dataset"],
         "accumulate": config["trainer"]["accumulate_grad_batches"],
         "batch_size": config["data"]["batch_size"],
+        "strategy": _strategy_name(config["trainer"]["strategy"]),
     }
     assert {key: found[key] for key in expected} == expected
 
