@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 from benchmarks.compare_plots import plot_curves, plot_time_memory
 from benchmarks.compare_report import headline, read_scalars, render_markdown, targets
-from benchmarks.compare_runs import STRATEGIES, CompareConfig, RunSpec, execute
+from benchmarks.compare_runs import LOCAL_BN, STRATEGIES, CompareConfig, RunSpec, execute
 from callbacks.run_info import environment, to_jsonable
 
 __all__ = ["main", "parse_config"]
@@ -136,13 +136,17 @@ def _strategy_notes(cfg: CompareConfig) -> dict[str, str]:
     bn = ("torch.nn.SyncBatchNorm (sync_batchnorm=True)" if cfg.on_gpu else
           "LOCAL BatchNorm: torch.nn.SyncBatchNorm cannot run on CPU, so ddp does less "
           "communication than custom_ddp here")
-    return {
+    notes = {
         "custom_ddp": f"hand-written SyncBatchNorm, bucketed accumulation-aware gradient sync "
                       f"(bucket {cfg.bucket_cap_mb} MB), scatter-based validation; backend {cfg.backend}",
         "ddp": f"torch DistributedDataParallel, bucket_cap_mb={cfg.bucket_cap_mb}, "
                f"gradient_as_bucket_view={cfg.ddp_gradient_as_bucket_view}, "
                f"forward_sync_buffers={cfg.ddp_forward_sync_buffers}, {bn}; backend {cfg.backend}",
     }
+    if not cfg.on_gpu:
+        notes[LOCAL_BN] = ("custom_ddp with sync_batchnorm=false (local BatchNorm like ddp on CPU): "
+                           "the like-for-like anchor for the gradient sync")
+    return notes
 
 
 def _collect(cfg: CompareConfig, spec: RunSpec, tb_root: Path, logs: Path) -> dict[str, Any]:
@@ -188,6 +192,8 @@ def _rerender(out: Path) -> dict[str, Any]:
     result["sweep"] = [{k: nan(v) if isinstance(v, dict) else v for k, v in row.items()}
                        for row in result["sweep"]]
     result["targets"] = [nan(row) for row in result["targets"]]
+    if result.get("local_bn"):
+        result["local_bn"] = nan(result["local_bn"])
     _write(out, result)
     return result
 
@@ -202,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tb_root, logs = out / "tb", out / "logs"
     load_before, start = os.getloadavg()[0], time.perf_counter()
     specs = [RunSpec(s, cfg.accumulate, cfg.epochs, test=True) for s in STRATEGIES]
+    if not cfg.on_gpu:  # between the two sweeps' alternating orders: drift hits it like the others
+        specs.append(RunSpec(LOCAL_BN, cfg.accumulate, cfg.epochs, test=False))
     for i, acc in enumerate(cfg.sweep):  # alternate the order: drifting load hits both alike
         order = STRATEGIES if i % 2 else tuple(reversed(STRATEGIES))
         specs += [RunSpec(s, acc, cfg.sweep_epochs, test=False) for s in order]
@@ -219,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - start, "tb_root": str(tb_root),
         "strategy_notes": _strategy_notes(cfg), "main": main_setting, "sweep": sweep,
         "targets": targets(main_setting["custom_ddp"], main_setting["ddp"], cfg.on_gpu),
+        "local_bn": runs.get(f"{LOCAL_BN}_acc{cfg.accumulate}", {}).get("headline"),
         "notes": _notes(cfg, load_before), "runs": runs,
     }
     _write(out, result)

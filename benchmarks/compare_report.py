@@ -105,8 +105,8 @@ def _fmt(value: float, unit: str = "") -> str:
     return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
-def _main_table(custom: dict[str, float], ddp: dict[str, float]) -> list[str]:
-    lines = ["| metric | unit | custom_ddp | ddp | custom / ddp |", "|---|---|---:|---:|---:|"]
+def _main_table(custom: dict[str, float], ddp: dict[str, float], name: str = "custom_ddp") -> list[str]:
+    lines = [f"| metric | unit | {name} | ddp | {name} / ddp |", "|---|---|---:|---:|---:|"]
     for key, label, unit, _ in ROWS:
         if math.isnan(custom[key]) and math.isnan(ddp[key]):
             continue
@@ -125,6 +125,22 @@ def _sweep_table(sweep: list[dict[str, Any]]) -> list[str]:
                      f"{_fmt(ratio(c['step_s'], d['step_s']))} | "
                      f"{_fmt(c['step_s'] / row['accumulate'], 'ms')} | "
                      f"{_fmt(d['step_s'] / row['accumulate'], 'ms')} |")
+    return lines
+
+
+def _local_bn_section(result: dict[str, Any]) -> list[str]:
+    """CPU only: custom_ddp without SyncBatchNorm vs ddp, and what syncing BN statistics costs."""
+    local, ddp, custom = result.get("local_bn"), result["main"]["ddp"], result["main"]["custom_ddp"]
+    if not local:
+        return []
+    lines = ["## Like-for-like on CPU: both with local BatchNorm", "",
+             *_main_table(local, ddp, name="custom_ddp, local BN")]
+    cost = custom["step_s"] - local["step_s"]
+    accumulate = result["config"]["accumulate"]
+    lines += ["", f"Synchronising BatchNorm statistics (2 collectives per micro-batch, {2 * accumulate} per "
+              f"optimizer step) costs custom_ddp {_fmt(cost, 'ms')} ms per step here "
+              f"({_fmt(ratio(custom['step_s'], local['step_s']))}x its local-BN step time); Lightning's "
+              "ddp cannot pay that cost on CPU because torch.nn.SyncBatchNorm does not run there.", ""]
     return lines
 
 
@@ -171,6 +187,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         *_target_table(result["targets"]),
         "",
+        *_local_bn_section(result),
         "## Step time vs gradient accumulation",
         "",
         *_sweep_table(result["sweep"]),

@@ -17,9 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CompareConfig", "RunSpec", "STRATEGIES", "execute"]
+__all__ = ["CompareConfig", "LOCAL_BN", "RunSpec", "STRATEGIES", "execute"]
 
 STRATEGIES = ("custom_ddp", "ddp")
+# custom_ddp with local BatchNorm: on CPU, where ddp cannot sync BatchNorm, the like-for-like
+# anchor that separates the gradient-sync engine from the cost of synchronising BN statistics.
+LOCAL_BN = "custom_ddp_localbn"
 _CHECKPOINT = "last.ckpt"
 
 
@@ -80,10 +83,10 @@ def _flag(name: str, value: object) -> str:
 
 def _strategy_flags(cfg: CompareConfig, strategy: str) -> list[str]:
     """Both strategies' communication settings, spelled out so the record shows them."""
-    if strategy == "custom_ddp":
+    if strategy in ("custom_ddp", LOCAL_BN):
         return [_flag("trainer.strategy", "strategies.custom_ddp.CustomDDPStrategy"),
                 _flag("trainer.strategy.process_group_backend", cfg.backend),
-                _flag("trainer.strategy.sync_batchnorm", True),
+                _flag("trainer.strategy.sync_batchnorm", strategy == "custom_ddp"),
                 _flag("trainer.strategy.sync_mode", "bucketed"),
                 _flag("trainer.strategy.bucket_cap_mb", cfg.bucket_cap_mb)]
     # nn.SyncBatchNorm is CUDA-only: on CPU Lightning's ddp must run with local BatchNorm.

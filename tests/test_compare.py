@@ -34,7 +34,10 @@ def test_compare_end_to_end_on_tiny_synthetic_data(tmp_path):
     for name in ("report.md", "compare.json", "curves.png", "time_memory.png"):
         assert (out / name).stat().st_size > 0, name
     result = json.loads((out / "compare.json").read_text())
-    assert set(result["runs"]) == {"custom_ddp_acc2", "ddp_acc2"}
+    # On CPU a third run, custom_ddp with local BatchNorm, is the like-for-like anchor for ddp.
+    assert set(result["runs"]) == {"custom_ddp_acc2", "ddp_acc2", "custom_ddp_localbn_acc2"}
+    assert result["runs"]["custom_ddp_localbn_acc2"]["recorded"]["strategy"]["sync_batchnorm"] is False
+    assert result["local_bn"]["step_s"] > 0
 
     # Both runs' TensorBoard logs under one root; the main runs also have their test scalars.
     for run in ("custom_ddp_acc2", "ddp_acc2"):
@@ -68,7 +71,8 @@ def test_compare_end_to_end_on_tiny_synthetic_data(tmp_path):
 
     report = (out / "report.md").read_text()
     for text in ("## Infrastructure", "python -m benchmarks.compare --out", "LOCAL BatchNorm",
-                 "| optimizer step time (median)", "## Targets", "tensorboard --logdir"):
+                 "| optimizer step time (median)", "## Targets", "tensorboard --logdir",
+                 "## Like-for-like on CPU: both with local BatchNorm"):
         assert text in report, text
 
 
