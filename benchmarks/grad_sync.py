@@ -22,7 +22,6 @@ counts AdamW state bytes per rank, sharded vs unsharded. Results: ``results.json
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -38,7 +37,7 @@ import torchvision
 from torch import nn
 
 from benchmarks import grad_sync_report
-from callbacks.memory import PeakMemory
+from callbacks.memory import PeakMemory, return_freed_memory_above
 from callbacks.run_info import environment
 from strategies.buckets import assign_buckets
 from strategies.grad_sync import SyncedDataParallel
@@ -47,7 +46,6 @@ from strategies.zero import ShardedOptimizer
 
 WORLD_SIZE = 2
 _MiB = 2**20
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 # The anchor is torch DDP as users get it (no options); its effective settings are read back
 # from the wrapper and recorded next to the numbers. "ddp_tuned" turns on what saves memory/time.
 DDP_TUNED = {"gradient_as_bucket_view": True, "forward_sync_buffers": False}
@@ -172,10 +170,8 @@ def step_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: 
 
 def memory_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: dict) -> int:
     """Peak RSS over wrapping and a few steps, above the built model (untimed run)."""
-    # glibc's dynamic mmap threshold keeps freed multi-MiB tensors in the heap, so the RSS would
-    # remember every transient; a fixed 1 MiB threshold returns them to the kernel on free.
-    # Only in this untimed run: it makes every large allocation page-fault, which costs time.
-    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MiB)
+    # Only in this untimed run: freed transients must leave the RSS (see the helper).
+    return_freed_memory_above(_MiB)
     net, x, y, kind, options = _setup(rank, model_name, variant, cfg)
     memory = PeakMemory(torch.device("cpu"))
     memory.start()

@@ -28,7 +28,6 @@ fixed so freed tensors leave RSS; CUDA: ``max_memory_allocated``). Writes ``resu
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shlex
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import syncbn_report
+from callbacks.memory import return_freed_memory_above
 from callbacks.run_info import environment
 from strategies.multiprocess import run_workers
 from strategies.syncbn import SyncBatchNorm
@@ -50,7 +50,6 @@ from strategies.syncbn import SyncBatchNorm
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
 QUICK_SHAPES = [(32, 128), (64, 1024), (32, 64, 16, 16)]
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
@@ -163,18 +162,10 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> list[dict]:
     results = [_time(tuple(shape), device, rank, cfg) for shape in shapes]
     # Only now (it slows allocation down): make glibc unmap every freed tensor, so that
     # peak RSS sees each allocation instead of reused heap pages.
-    cfg["mmap_threshold_fixed"] = device.type == "cpu" and _fix_mmap_threshold()
+    cfg["mmap_threshold_fixed"] = device.type == "cpu" and return_freed_memory_above(128 * 1024)
     for result, shape in zip(results, shapes):
         result.update(_memory(tuple(shape), device, rank), mmap_threshold_fixed=cfg["mmap_threshold_fixed"])
     return results
-
-
-def _fix_mmap_threshold() -> bool:
-    """Serve every allocation >= 128 KiB by mmap (glibc), so that freeing it lowers RSS."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
-    except (OSError, AttributeError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:

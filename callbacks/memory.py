@@ -15,6 +15,7 @@ their memory separately.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -22,8 +23,9 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PeakMemory", "kernel_peak_rss_available"]
+__all__ = ["PeakMemory", "kernel_peak_rss_available", "return_freed_memory_above"]
 
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 CpuMethod = Literal["auto", "kernel", "sample"]
@@ -32,6 +34,20 @@ CpuMethod = Literal["auto", "kernel", "sample"]
 def kernel_peak_rss_available() -> bool:
     """Whether this process may reset and read the kernel's peak-RSS mark (Linux >= 4.0)."""
     return os.access(_CLEAR_REFS, os.W_OK) and os.path.exists(_STATUS)
+
+
+def return_freed_memory_above(threshold_bytes: int) -> bool:
+    """Serve allocations of at least ``threshold_bytes`` by mmap (glibc), so freeing them lowers RSS.
+
+    glibc's dynamic mmap threshold grows to keep freed multi-MiB blocks in the heap, so the RSS
+    would remember every transient tensor; a fixed threshold returns them to the kernel on free.
+    For peak-memory measurements only: every large allocation then page-faults, which costs time.
+    Returns whether the setting took effect (False where glibc's ``mallopt`` is unavailable).
+    """
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
+    except (OSError, AttributeError):
+        return False
 
 
 def _read_peak_rss_bytes() -> int:
