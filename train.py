@@ -13,6 +13,7 @@ Two CPU processes with Lightning's DDP (gloo), on one machine:
 
 The hand-written data-parallel strategy instead of Lightning's (see README, "The custom_ddp strategy"):
     python train.py fit --config configs/quickstart.yaml --config configs/ddp_cpu.yaml --trainer.strategy=custom_ddp
+    python train.py fit --config configs/custom_ddp_cpu.yaml   # 2 CPU processes, accumulate 2, every option shown
 
 Real CIFAR-100, ResNet-18 on every GPU of one machine (Lightning launches the processes):
     python train.py fit --config configs/cifar100_resnet18.yaml --data.download=true
