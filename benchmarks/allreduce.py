@@ -4,7 +4,7 @@ Run from the repository root:
     python -m benchmarks.allreduce --out benchmarks/results/allreduce           # full (~10-20 min)
     python -m benchmarks.allreduce --out /tmp/allreduce --quick                 # smoke run (~1 min)
 
-Part 1 (``compare``): ``strategies.allreduce.ring_all_reduce``, ``butterfly_all_reduce`` and
+Part 1 (``compare``): ``collectives.allreduce.ring_all_reduce``, ``butterfly_all_reduce`` and
 ``dist.all_reduce`` + divide average float32 vectors of 1,000-100,000 elements on 1-32 gloo
 ranks. Per call: median time (each repeat's time is the slowest rank's, after a barrier; the
 methods are interleaved within a repeat so machine noise hits them alike), torch-allocated bytes
@@ -43,8 +43,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import allreduce_report
 from callbacks.run_info import environment
-from strategies.allreduce import butterfly_all_reduce, ring_all_reduce
-from strategies.multiprocess import run_workers
+from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
+from collectives.launcher import run_workers
 
 MiB = 1 << 20
 CONFIG_LIMIT_S = 300.0  # the assignment's per-configuration limit

@@ -45,6 +45,7 @@ from benchmarks.compare_plots import plot_curves, plot_time_memory
 from benchmarks.compare_report import headline, read_scalars, render_markdown, targets
 from benchmarks.compare_runs import LOCAL_BN, STRATEGIES, CompareConfig, RunSpec, execute
 from callbacks.run_info import environment, to_jsonable
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["main", "parse_config"]
 
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-train-size", type=_positive(int), default=6_000)
     p.add_argument("--synthetic-test-size", type=_positive(int), default=1_000)
     p.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps not timed")
-    p.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="both strategies")
+    p.add_argument("--bucket-cap-mb", type=_positive(float), default=DEFAULT_BUCKET_CAP_MB, help="both strategies")
     p.add_argument("--ddp-gradient-as-bucket-view", type=_bool, default=True)
     p.add_argument("--ddp-forward-sync-buffers", type=_bool, default=True,
                    help="DDP broadcasts rank 0's BN buffers every forward (torch's default)")

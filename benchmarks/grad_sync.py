@@ -39,10 +39,11 @@ from torch import nn
 from benchmarks import grad_sync_report
 from callbacks.memory import PeakMemory, return_freed_memory_above
 from callbacks.run_info import environment
-from strategies.buckets import assign_buckets
-from strategies.grad_sync import SyncedDataParallel
-from strategies.multiprocess import run_workers
-from strategies.zero import ShardedOptimizer
+from parallel.buckets import assign_buckets
+from parallel.grad_sync import SyncedDataParallel
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB
+from collectives.launcher import run_workers
+from parallel.zero import ShardedOptimizer
 
 WORLD_SIZE = 2
 _MiB = 2**20
@@ -124,7 +125,7 @@ def _comm_alone(model: nn.Module, net: nn.Module, repeats: int) -> list[float]:
         buffers, blocking = [b.buffer for b in model.buckets], model.mode == "per_param"
     else:  # DDP's layout: 25 MiB buckets, 1 MiB first, in reverse registration order
         params = [p for p in net.parameters() if p.requires_grad][::-1]
-        groups = assign_buckets(params, 25.0, 1.0)
+        groups = assign_buckets(params, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB)
         buffers, blocking = [torch.zeros(sum(params[i].numel() for i in g)) for g in groups], False
     times = []
     for _ in range(repeats):

@@ -1,4 +1,4 @@
-"""SyncBatchNorm benchmark: forward+backward time and peak memory of ``strategies.syncbn``.
+"""SyncBatchNorm benchmark: forward+backward time and peak memory of ``parallel.syncbn``.
 
 Run from the repository root::
 
@@ -44,8 +44,8 @@ from torch import nn
 from benchmarks import syncbn_report
 from callbacks.memory import return_freed_memory_above
 from callbacks.run_info import environment
-from strategies.multiprocess import run_workers
-from strategies.syncbn import SyncBatchNorm
+from collectives.launcher import run_workers
+from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]

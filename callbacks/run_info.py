@@ -17,8 +17,6 @@ import torch
 __all__ = ["environment", "strategy_options", "to_jsonable"]
 
 _PACKAGES = ("torch", "lightning", "torchvision", "torchmetrics", "numpy")
-# Public options of this project's `custom_ddp` strategy, recorded when a strategy has them.
-_STRATEGY_OPTIONS = ("sync_batchnorm", "sync_mode", "bucket_cap_mb", "zero1", "scatter_eval")
 
 
 def _cpu_model() -> str:
@@ -68,7 +66,8 @@ def strategy_options(strategy: Any) -> dict[str, Any]:
         "start_method": getattr(strategy, "_start_method", None),
         "layer_sync": type(layer_sync).__name__ if layer_sync is not None else None,
     }
-    options.update({name: getattr(strategy, name) for name in _STRATEGY_OPTIONS if hasattr(strategy, name)})
+    # A strategy that reports its own settings (custom_ddp's ``options``) is recorded as it says.
+    options.update(getattr(strategy, "options", None) or {})
     options.update(getattr(strategy, "_ddp_kwargs", None) or {})
     return to_jsonable(options)
 

@@ -1,9 +1,16 @@
-"""Hand-written data parallelism; importing this package registers the ``custom_ddp`` strategy.
+"""Lightning adapters of the hand-written core in :mod:`parallel`; importing this package registers ``custom_ddp``.
 
-Registration happens at import because Lightning resolves ``Trainer(strategy="custom_ddp")`` and
-``--trainer.strategy=custom_ddp`` through its ``StrategyRegistry``, and the popen launcher starts
-every rank by re-running the script, which imports this package again. The cost is that any
-``strategies.*`` import also imports Lightning; the pure-torch modules themselves do not use it.
+- ``custom_ddp``: ``CustomDDPStrategy``, Lightning's DDP strategy with the core's SyncBatchNorm,
+  gradient sync, ZeRO-1 and scatter evaluation plugged in through public strategy hooks.
+- ``layer_sync``: ``CustomSyncBatchNorm``, the ``LayerSync`` plugin that swaps BatchNorm layers.
+- ``evaluation``: the glue between scattered evaluation loaders, the Trainer's hooks and the
+  module's torchmetrics.
+
+Registration happens here, on the Lightning side, because Lightning resolves
+``Trainer(strategy="custom_ddp")`` and ``--trainer.strategy=custom_ddp`` through its
+``StrategyRegistry``, and the popen launcher starts every rank by re-running the script, which
+imports this package again (``train.py`` imports it). The core in :mod:`parallel` never imports
+Lightning and is importable without it.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -6,28 +6,28 @@ the process group and its timeout, ``barrier``/``broadcast``/``reduce`` and chec
 Lightning's. It replaces three things, each through a public seam of the strategy API:
 
 1. **BatchNorm** (``sync_batchnorm``): at fit setup every ``BatchNorm*d`` becomes
-   :class:`strategies.syncbn.SyncBatchNorm` (one collective forward, one backward) through the
+   :class:`parallel.syncbn.SyncBatchNorm` (one collective forward, one backward) through the
    :class:`strategies.layer_sync.CustomSyncBatchNorm` plugin; teardown reverts it. The plugin is
    installed in ``setup`` because Lightning's connector overwrites ``_layer_sync`` after
    ``__init__``; ``plugins=[CustomSyncBatchNorm(group)]`` works too, and ``Trainer(
    sync_batchnorm=True)`` (CUDA-only ``torch.nn.SyncBatchNorm``) is swapped for ours.
 2. **Gradients** (``sync_mode``, ``bucket_cap_mb``): the module is wrapped in
-   :class:`strategies.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
+   :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
    non-stepping micro-batches of ``accumulate_grad_batches`` inside ``block_backward_sync`` ->
    ``no_sync()``: no gradient collective at all. ``post_backward`` (after backward, before the
    precision plugin unscales/clips and ``on_before_optimizer_step``) calls ``finish()``, which
    leaves rank-averaged gradients in ``p.grad``. ``zero1`` re-creates each optimizer as a
-   :class:`strategies.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
+   :class:`parallel.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
    replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
-   over this rank's shard (:mod:`strategies.scattered_evaluation`): rank 0 materialises the
+   over this rank's shard (:mod:`strategies.evaluation`): rank 0 materialises the
    dataset and scatters contiguous shards, so every sample is evaluated once. Shards differ by
    one sample, so ranks run different numbers of batches and nothing may communicate per batch.
    The module's torchmetrics objects are made exact without the module knowing: their
    compute-time sync is off for the run and, after a rank's last step of each loader, the sum
    states of the metrics updated in it are all-reduced in ONE collective
-   (:mod:`strategies.metric_reduction`), before Lightning computes and logs them. The module's
+   (:mod:`parallel.metric_reduction`), before Lightning computes and logs them. The module's
    side of the contract: log evaluation metrics as torchmetrics objects with sum states
    (accuracy, ``MeanMetric``, ...) updated in ``validation_step``/``test_step``; plain tensors
    logged with ``sync_dist=True`` cost a collective per key (and hang with ``on_step=True``).
@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -61,12 +62,15 @@ from torch.nn import Module
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from strategies.grad_sync import MODES, SyncedDataParallel
+from parallel.grad_sync import SyncedDataParallel
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SYNC_MODES, SyncMode
+from parallel.zero import ShardedOptimizer
+from strategies.evaluation import ScatteredEvaluation
 from strategies.layer_sync import CustomSyncBatchNorm
-from strategies.scattered_evaluation import ScatteredEvaluation
-from strategies.zero import ShardedOptimizer
 
 __all__ = ["CustomDDPStrategy"]
+
+log = logging.getLogger(__name__)
 
 _REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
@@ -79,10 +83,10 @@ def _check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero
         for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval))
         if not isinstance(value, bool)
     ]
-    if sync_mode not in MODES:
-        problems.append(f"sync_mode={sync_mode!r} must be one of {MODES}")
+    if sync_mode not in SYNC_MODES:
+        problems.append(f"sync_mode={sync_mode!r} must be one of {SYNC_MODES}")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        problems.append(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB; DDP's default is 25)")
+        problems.append(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB; default {DEFAULT_BUCKET_CAP_MB})")
     if problems:
         raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
 
@@ -115,8 +119,8 @@ class CustomDDPStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         sync_batchnorm: bool = True,
-        sync_mode: Literal["bucketed", "flat", "per_param", "per_param_overlap"] = "bucketed",
-        bucket_cap_mb: float = 25.0,
+        sync_mode: SyncMode = "bucketed",
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         zero1: bool = False,
         scatter_eval: bool = True,
         process_group_backend: Optional[str] = None,
@@ -161,6 +165,17 @@ class CustomDDPStrategy(DDPStrategy):
     def scatter_eval(self) -> bool:
         return self._scatter_eval
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """This strategy's own settings, for logs, hyperparameters and benchmark records."""
+        return {
+            "sync_batchnorm": self._sync_batchnorm,
+            "sync_mode": self._sync_mode,
+            "bucket_cap_mb": self._bucket_cap_mb,
+            "zero1": self._zero1,
+            "scatter_eval": self._scatter_eval,
+        }
+
     # ----------------------------------------------------------------- setup / teardown
 
     @override
@@ -168,6 +183,7 @@ class CustomDDPStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._sync_batchnorm:
             self._layer_sync = self._resolve_layer_sync()
         super().setup(trainer)
+        log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
         if self._layer_sync is None:

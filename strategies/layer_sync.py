@@ -15,7 +15,7 @@ from lightning.pytorch.plugins import LayerSync
 from torch.nn import Module
 from typing_extensions import override
 
-from strategies.syncbn import SyncBatchNorm
+from parallel.syncbn import SyncBatchNorm
 
 __all__ = ["CustomSyncBatchNorm"]
 

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from strategies.buckets import assign_buckets, caps_for_mode
-from strategies.grad_sync import MODES, SyncedDataParallel
-from strategies.multiprocess import run_workers
+from parallel.buckets import assign_buckets
+from parallel.sync_config import SYNC_MODES, caps_for_mode
+from parallel.grad_sync import SyncedDataParallel
+from collectives.launcher import run_workers
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.0005}
@@ -125,7 +126,7 @@ def _assert_close_to_reference(result: dict, reference: dict, atol: float, rtol:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", SYNC_MODES)
 def test_two_rank_training_matches_single_process(tmp_path, mode, k):
     results = run_workers(
         _train_synced, _WORLD_SIZE, args=(mode, k, torch.float64, {}), init_file=tmp_path / "store"
@@ -220,7 +221,7 @@ def _comm_counts(rank: int, world_size: int, mode: str, k: int) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", SYNC_MODES)
 def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_path, mode):
     counts = run_workers(_comm_counts, _WORLD_SIZE, args=(mode, 3), init_file=tmp_path / "store")[0]
     buckets = counts["buckets"]
@@ -300,3 +301,13 @@ def test_second_backward_without_finish_is_an_error():
 def test_bad_options_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyncedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+def test_bucket_layout_is_logged_at_debug(caplog):
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with caplog.at_level("DEBUG", logger="parallel.grad_sync"):
+        SyncedDataParallel(net, **_SMALL_BUCKETS)
+    (record,) = [r for r in caplog.records if r.name == "parallel.grad_sync"]
+    text = record.getMessage()
+    assert "mode=bucketed, world_size=1" in text and "bucket 0:" in text
+    assert "2.weight" in text and "0.bias" in text  # parameters are named, last layer first

@@ -10,9 +10,9 @@ from torch.utils.data import TensorDataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from strategies.metric_reduction import EpochMetricReducer
-from strategies.multiprocess import run_workers
-from strategies.scatter_eval import materialize, scatter_shards, shard_sizes
+from parallel.metric_reduction import EpochMetricReducer
+from collectives.launcher import run_workers
+from parallel.eval_sharding import materialize, scatter_shards, shard_sizes
 
 
 class _PairDataset(torch.utils.data.Dataset):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from strategies.multiprocess import run_workers
-from strategies.sequential_print import print_order, print_sequentially
+from collectives.launcher import run_workers
+from collectives.sequential_print import print_order, print_sequentially
 
 pytestmark = pytest.mark.distributed
 
@@ -32,7 +32,7 @@ def test_torchrun_three_processes_stdout_is_exact():
     # One launch covers both directions: "both" prints ascending then descending.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3"]
-    cmd += ["-m", "strategies.sequential_print", "--num-iter", "3", "--order", "both"]
+    cmd += ["-m", "collectives.sequential_print", "--num-iter", "3", "--order", "both"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == _expected(3, 3, "both")

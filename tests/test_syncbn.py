@@ -10,7 +10,7 @@ from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
 from strategies.layer_sync import CustomSyncBatchNorm
-from strategies.syncbn import SyncBatchNorm
+from parallel.syncbn import SyncBatchNorm
 
 
 def _pair(torch_class, num_features, **kwargs):

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from strategies.multiprocess import run_workers
-from strategies.syncbn import SyncBatchNorm
+from collectives.launcher import run_workers
+from parallel.syncbn import SyncBatchNorm
 
 pytestmark = pytest.mark.distributed
 

@@ -11,8 +11,8 @@ concatenated batch within ``atol=1e-3, rtol=0``.
 import pytest
 import torch
 
-from strategies.multiprocess import run_workers
-from strategies.syncbn import SyncBatchNorm
+from collectives.launcher import run_workers
+from parallel.syncbn import SyncBatchNorm
 
 pytestmark = pytest.mark.distributed
 

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.grad_sync import SyncedDataParallel
-from strategies.multiprocess import run_workers
-from strategies import zero
-from strategies.zero import ShardedOptimizer
+from parallel.grad_sync import SyncedDataParallel
+from collectives.launcher import run_workers
+from parallel import zero
+from parallel.zero import ShardedOptimizer
 
 _WORLD_SIZE = 2
 _OPTIMIZERS = {

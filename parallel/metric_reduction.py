@@ -1,6 +1,6 @@
 """Exact dataset metrics from uneven evaluation shards: ONE all-reduce per evaluation epoch.
 
-With scatter-sharded evaluation (:mod:`strategies.scatter_eval`) ranks run different numbers of
+With scatter-sharded evaluation (:mod:`parallel.eval_sharding`) ranks run different numbers of
 batches, so nothing may communicate per batch. What is exact and cheap is to add up *sums*:
 correct counts per top-k, loss sums, sample counts. torchmetrics keeps exactly such states
 (``MulticlassAccuracy``: tp/fp/tn/fn; ``MeanMetric``: weighted sum and weight; ``SumMetric``),

@@ -2,7 +2,7 @@
 
 A drop-in for ``torch.nn.BatchNorm{1,2,3}d`` whose training-mode statistics are aggregated over
 all ranks of a process group with exactly one collective in forward and one in backward (the
-math and its hand-derived backward live in :mod:`strategies.syncbn_function`). Unlike
+math and its hand-derived backward live in :mod:`parallel.syncbn_function`). Unlike
 ``torch.nn.SyncBatchNorm`` it runs on CPU/gloo as well as CUDA/NCCL, and it is not a subclass of
 it (torch DDP rejects that class on CPU).
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from strategies.syncbn_function import sync_batch_norm
+from parallel.syncbn_function import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
 

@@ -16,14 +16,13 @@ starts early in backward. Pure torch; no Lightning import.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bucket", "assign_buckets", "build_buckets", "caps_for_mode"]
+__all__ = ["Bucket", "assign_buckets", "build_buckets", "describe_buckets"]
 
 _MB = 1024 * 1024
 
@@ -120,12 +119,14 @@ def build_buckets(params: Sequence[torch.nn.Parameter], groups: list[list[int]])
     return buckets
 
 
-def caps_for_mode(
-    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float
-) -> tuple[float, float]:
-    """The ``(cap_mb, first_cap_mb)`` that turn a sync mode into a bucket layout."""
-    if mode in ("per_param", "per_param_overlap"):
-        return 0.0, 0.0
-    if mode == "flat":
-        return math.inf, math.inf
-    return bucket_cap_mb, first_bucket_cap_mb
+def describe_buckets(buckets: Sequence[Bucket], module: torch.nn.Module | None = None) -> str:
+    """One line per bucket (index, MiB, dtype, parameter count and names) for debug logs."""
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    total_mb = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets) / _MB
+    lines = [f"{len(buckets)} bucket(s), {total_mb:.2f} MiB in all"]
+    for b in buckets:
+        mb = b.buffer.numel() * b.buffer.element_size() / _MB
+        members = ", ".join(names.get(id(p), "?") for p in b.params)
+        lines.append(f"  bucket {b.index}: {mb:.3f} MiB {b.buffer.dtype} on {b.buffer.device}, "
+                     f"{len(b.params)} param(s): {members}")
+    return "\n".join(lines)

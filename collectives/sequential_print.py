@@ -1,7 +1,7 @@
 """Print ``Process <rank>`` from every rank in a deterministic order, using only barriers.
 
 Run:
-    torchrun --nproc_per_node 3 -m strategies.sequential_print --num-iter 2 --order both
+    torchrun --nproc_per_node 3 -m collectives.sequential_print --num-iter 2 --order both
 
 prints, byte-identically on every run::
 
@@ -103,7 +103,7 @@ def _write(stream: TextIO | None, text: str) -> None:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m strategies.sequential_print",
+        prog="python -m collectives.sequential_print",
         description="Print 'Process <rank>' in deterministic rank order (run under torchrun).",
     )
     parser.add_argument("--num-iter", type=int, default=1, help="iterations (default 1)")

@@ -1,4 +1,4 @@
-"""The autograd function behind :class:`strategies.syncbn.SyncBatchNorm`: one collective per pass.
+"""The autograd function behind :class:`parallel.syncbn.SyncBatchNorm`: one collective per pass.
 
 Notation, per channel, over the ``n`` elements of ALL ranks (batch and spatial positions)::
 

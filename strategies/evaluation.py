@@ -3,10 +3,10 @@
 Two jobs, both driven from strategy hooks:
 
 - :meth:`ScatteredEvaluation.loader` turns an evaluation ``DataLoader`` into one over this rank's
-  shard from :func:`strategies.scatter_eval.scatter_shards` (rank 0 materialises the samples in
+  shard from :func:`parallel.eval_sharding.scatter_shards` (rank 0 materialises the samples in
   the loader's sampler order). Same batch size and collate function; nothing is dropped.
 - :meth:`~ScatteredEvaluation.begin` / :meth:`~ScatteredEvaluation.after_step` /
-  :meth:`~ScatteredEvaluation.end` run :class:`strategies.metric_reduction.EpochMetricReducer`
+  :meth:`~ScatteredEvaluation.end` run :class:`parallel.metric_reduction.EpochMetricReducer`
   over the LightningModule's torchmetrics: compute-time sync off for the run, one all-reduce
   after the rank's last step of each loader. The step count comes from the Trainer's own
   per-rank batch counts (``num_val_batches`` etc.), so a rank with fewer batches reduces
@@ -26,8 +26,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from strategies.metric_reduction import EpochMetricReducer, stateful_metrics
-from strategies.scatter_eval import materialize, scatter_shards
+from parallel.metric_reduction import EpochMetricReducer, stateful_metrics
+from parallel.eval_sharding import materialize, scatter_shards
 
 __all__ = ["ScatteredEvaluation"]
 

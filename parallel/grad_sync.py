@@ -11,7 +11,7 @@ averages gradients over a process group. The training step is::
     model.finish()                                  # p.grad now holds the average over ranks
     optimizer.step(); optimizer.zero_grad()
 
-Gradients live as views into flat bucket buffers (:mod:`strategies.buckets`), so micro-batches
+Gradients live as views into flat bucket buffers (:mod:`parallel.buckets`), so micro-batches
 accumulate in place into the memory that is all-reduced. Modes, for comparison:
 
 - ``bucketed``: a bucket's async all-reduce starts from the parameters' post-accumulate-grad
@@ -30,8 +30,7 @@ gradient for keeps ``grad=None``. Pure torch; no Lightning import.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections import defaultdict
+import logging
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -39,42 +38,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.buckets import Bucket, assign_buckets, build_buckets, caps_for_mode
+from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets
+from parallel.dist_utils import broadcast_module_state, group_world_size
+from parallel.sync_config import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_FIRST_BUCKET_CAP_MB,
+    MODES_LAUNCHED_FROM_HOOKS,
+    SYNC_MODES,
+    caps_for_mode,
+)
 
-__all__ = ["SyncedDataParallel", "broadcast_module_state", "group_world_size"]
+__all__ = ["SyncedDataParallel"]
 
-MODES = ("bucketed", "flat", "per_param", "per_param_overlap")
-_LAUNCHED_FROM_HOOKS = ("bucketed", "per_param_overlap")
+log = logging.getLogger(__name__)
+
 _COMPRESSIONS = (None, "bf16")
-
-
-def group_world_size(process_group: dist.ProcessGroup | None = None) -> int:
-    """World size of ``process_group``; 1 when ``torch.distributed`` is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
-
-
-def broadcast_module_state(
-    module: nn.Module, process_group: dist.ProcessGroup | None = None
-) -> None:
-    """Copy the group's rank 0 parameters and buffers into every rank, one broadcast per dtype."""
-    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        by_kind[(tensor.device, tensor.dtype)].append(tensor.detach())
-    for tensors in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.broadcast(flat, src=src, group=process_group)
-        for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
-            tensor.copy_(chunk.view_as(tensor))
 
 
 def _check_options(
     mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
 ) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {MODES}")
+    if mode not in SYNC_MODES:
+        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
     for name, cap in caps.items():
         if not cap > 0:
@@ -111,8 +96,8 @@ class SyncedDataParallel(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         mode: str = "bucketed",
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
         grad_compression: str | None = None,
         broadcast_init: bool = True,
     ) -> None:
@@ -129,6 +114,8 @@ class SyncedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         cap_mb, first_cap_mb = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
         self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb))
+        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", mode, self._world_size,
+                  describe_buckets(self._buckets, module))
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(
                 functools.partial(self._on_grad_ready, bucket, slot)
@@ -205,7 +192,7 @@ class SyncedDataParallel(nn.Module):
         if not self._sync_enabled:
             return
         self._armed = True
-        if self._mode not in _LAUNCHED_FROM_HOOKS:
+        if self._mode not in MODES_LAUNCHED_FROM_HOOKS:
             return
         if bucket.launched:  # the all-reduce is reading this buffer right now
             raise RuntimeError(

@@ -1,0 +1,21 @@
+"""The hand-written data-parallelism core of lit-cifar: pure torch, never imports Lightning.
+
+Importing this package (or any module in it) loads torch (and torchmetrics for
+``metric_reduction``) but not Lightning; ``tests/test_layout.py`` checks that in a fresh
+interpreter. The Lightning adapters that plug these parts into a Trainer live in
+:mod:`strategies`.
+
+Modules, one concern each:
+
+- ``sync_config``: the gradient-sync vocabulary (modes, default bucket caps), in one place.
+- ``dist_utils``: small process-group helpers shared by the modules below.
+- ``syncbn_function``, ``syncbn``: SyncBatchNorm as an autograd Function (one collective
+  forward, one backward) and its ``BatchNorm*d`` drop-in module.
+- ``buckets``, ``grad_sync``: flat gradient buckets and ``SyncedDataParallel`` (bucketed
+  all-reduce overlapped with backward, ``no_sync()`` for accumulation).
+- ``zero``: ``ShardedOptimizer`` (ZeRO-1).
+- ``eval_sharding``: rank 0 decides evaluation shards and scatters them.
+- ``metric_reduction``: exact dataset metrics from uneven shards in one all-reduce.
+
+Nothing is imported here, so importing one module costs only that module.
+"""
