@@ -1,55 +1,47 @@
-"""Scatter-based sharding of an evaluation dataset: every sample evaluated exactly once.
+"""Scatter-based sharding of an evaluation set by indices: every sample evaluated exactly once.
 
 ``DistributedSampler`` makes evaluation shards equal by repeating samples (11 samples on 2 ranks
 become 6 + 6, one duplicate), which biases dataset metrics; ``drop_last`` would lose samples
-instead. Here the source rank alone decides the shards and ships them:
+instead. Here the source rank alone decides the shards, and only *indices* travel:
 
-1. it materialises the dataset as tensors, one per sample field (:func:`materialize`);
-2. it splits them into contiguous shards whose lengths differ by at most one
-   (:func:`shard_sizes`) and broadcasts a small header: field shapes/dtypes and the real length
-   of every shard;
-3. ``dist.scatter`` needs equal-sized tensors, so each field is padded to the longest shard,
-   scattered once, and every rank trims its part to the real length from the header.
+1. the source knows the sample order (its loader's sampler) and broadcasts the sample count, so
+   every rank can compute the shard lengths (:func:`shard_sizes`) and agree on the layout;
+2. it splits the order into contiguous shards whose lengths differ by at most one
+   (:func:`make_shards`) and ``dist.scatter``s them. ``scatter`` needs equal-sized
+   tensors, so each shard travels as ``[real length, indices..., padding]``;
+3. every rank reads its samples from its own dataset object through a :class:`ShardSampler`
+   over the received indices: no sample crosses the network and the source holds no more data
+   than any other rank.
 
-Collectives: one header broadcast plus one scatter per field, called by every rank of the group
-in the same order. Pure torch; no Lightning import.
+The ``strided_padded`` layout is ``DistributedSampler``'s (strided, padded with repeats to equal
+lengths), for callers that must fall back to equal batch counts on every rank.
 
-Example (on every rank; only the source needs the dataset)::
+Collectives: one broadcast of the count plus one scatter of indices, called by every rank of
+the group in the same order. Pure torch; no Lightning import.
 
-    fields = materialize(dataset) if dist.get_rank() == 0 else None
-    shard = scatter_shards(fields)               # shard.fields[0][i] is sample shard.offset + i
-    loader = DataLoader(TensorDataset(*shard.fields), batch_size=256)
+Example (on every rank; every rank's ``dataset`` yields the same sample for the same index)::
+
+    order = list(range(len(dataset))) if dist.get_rank() == 0 else None
+    count = broadcast_count(None if order is None else len(order))
+    lengths = shard_lengths(count, dist.get_world_size())
+    shards = None if order is None else make_shards(order, len(lengths))
+    indices = scatter_shard_indices(shards, lengths)
+    loader = DataLoader(dataset, batch_size=256, sampler=ShardSampler(indices))
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+import itertools
+from typing import Iterator, Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import Sampler
 
-__all__ = ["Shard", "materialize", "scatter_shards", "shard_sizes"]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One rank's part of a scattered dataset.
-
-    Attributes:
-        fields: One tensor per sample field (e.g. images, labels), leading dim = shard length.
-        offset: Index of this shard's first sample in the materialised dataset.
-        num_samples: Length of the whole dataset (sum of all shard lengths).
-    """
-
-    fields: tuple[Tensor, ...]
-    offset: int
-    num_samples: int
-
-    def __len__(self) -> int:
-        return self.fields[0].shape[0] if self.fields else 0
+__all__ = [
+    "Layout", "ShardSampler", "broadcast_count", "make_shards", "scatter_shard_indices", "shard_lengths",
+    "shard_sizes",
+]
 
 
 def shard_sizes(num_samples: int, world_size: int) -> list[int]:
@@ -64,86 +56,96 @@ def shard_sizes(num_samples: int, world_size: int) -> list[int]:
     return [base + (rank < extra) for rank in range(world_size)]
 
 
-def materialize(
-    dataset: Dataset, indices: Sequence[int] | None = None, *, batch_size: int = 1024, num_workers: int = 0
-) -> tuple[Tensor, ...]:
-    """Stack ``dataset[i]`` (for ``i`` in ``indices``, default all) into one tensor per sample field.
-
-    Samples must be tuples/lists of tensors or numbers (``(uint8 image, int label)``), or a single
-    tensor; numbers become 1-D tensors exactly as ``default_collate`` batches them.
-
-    Raises:
-        TypeError: a sample is a mapping or another structure that is not a flat tuple.
-    """
-    source = dataset if indices is None else Subset(dataset, list(indices))
-    loader = DataLoader(source, batch_size=batch_size, num_workers=num_workers, collate_fn=default_collate)
-    columns: list[list[Tensor]] | None = None
-    for batch in loader:
-        batch = (batch,) if isinstance(batch, Tensor) else batch
-        if not isinstance(batch, (tuple, list)) or not all(isinstance(f, Tensor) for f in batch):
-            raise TypeError(
-                f"cannot materialise samples that collate to {type(batch).__name__}: return a flat tuple of "
-                "tensors/numbers from __getitem__ (e.g. (uint8 image, int label))"
-            )
-        columns = columns or [[] for _ in batch]
-        for column, field in zip(columns, batch):
-            column.append(field)
-    if columns is None:  # empty dataset: nothing tells us the field layout
-        raise ValueError("cannot scatter an empty evaluation dataset (len 0)")
-    return tuple(torch.cat(column) for column in columns)
+Layout = Literal["contiguous", "strided_padded"]
+"""``contiguous``: every sample once, lengths differ by at most one. ``strided_padded``:
+``DistributedSampler(shuffle=False)``'s layout, equal lengths, some samples twice."""
 
 
-def _header(fields: Sequence[Tensor], world_size: int) -> dict[str, Any]:
-    lengths = {field.shape[0] for field in fields}
-    if len(lengths) != 1:
-        raise ValueError(f"every field needs the same number of samples, got leading dims {sorted(lengths)}")
-    return {
-        "sizes": shard_sizes(lengths.pop(), world_size),
-        "layouts": [(tuple(field.shape[1:]), field.dtype) for field in fields],
-    }
+def shard_lengths(num_samples: int, world_size: int, layout: Layout = "contiguous") -> list[int]:
+    """Each rank's shard length under ``layout``: computable on every rank from the count alone."""
+    if layout == "contiguous":
+        return shard_sizes(num_samples, world_size)
+    if layout == "strided_padded":
+        shard_sizes(num_samples, world_size)  # same argument checks
+        return [-(-num_samples // world_size)] * world_size
+    raise ValueError(f"layout={layout!r} is not one of {get_args(Layout)}")
 
 
-def _padded_chunks(field: Tensor, sizes: list[int], device: torch.device) -> list[Tensor]:
-    """Split ``field`` by ``sizes`` and zero-pad each chunk to ``max(sizes)`` rows (scatter needs equal sizes)."""
-    padded = field.new_zeros((len(sizes) * max(sizes), *field.shape[1:]), device=device)
-    padded = padded.view(len(sizes), max(sizes), *field.shape[1:])
-    for rank, chunk in enumerate(field.split(sizes)):
-        padded[rank, : chunk.shape[0]].copy_(chunk)
-    return list(padded.unbind(0))
+def make_shards(order: Sequence[int], world_size: int, layout: Layout = "contiguous") -> list[list[int]]:
+    """Split the sample ``order`` into one index list per rank under ``layout``."""
+    lengths = shard_lengths(len(order), world_size, layout)
+    if layout == "contiguous":
+        bounds = [0, *itertools.accumulate(lengths)]
+        return [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+    # DistributedSampler pads with the head of the order (repeatedly if world_size > len(order)).
+    padded = list(itertools.islice(itertools.cycle(order), lengths[0] * world_size)) if order else []
+    return [padded[rank::world_size] for rank in range(world_size)]
 
 
-def scatter_shards(
-    fields: Sequence[Tensor] | None,
+def broadcast_count(count: int | None, *, src: int = 0, group: dist.ProcessGroup | None = None,
+                    device: torch.device | str = "cpu") -> int:
+    """Rank ``src``'s ``count`` on every rank of ``group`` (one 1-element broadcast)."""
+    is_src = dist.get_rank() == src
+    if is_src and (count is None or count < 0):
+        raise ValueError(f"rank {src} is the source and needs a count >= 0, got {count!r}")
+    value = torch.tensor([count if is_src else 0], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=src, group=group)
+    return int(value.item())
+
+
+def scatter_shard_indices(
+    shards: Sequence[Sequence[int]] | None,
+    lengths: Sequence[int],
     *,
     src: int = 0,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
-) -> Shard:
-    """Give every rank of ``group`` its contiguous shard of ``fields``, held by rank ``src`` only.
+) -> list[int]:
+    """Give every rank of ``group`` its list of indices, decided by rank ``src`` alone (one scatter).
 
     Args:
-        fields: On ``src``: the whole dataset, one tensor per field with equal leading dims.
-            Ignored on other ranks (pass ``None``).
-        src: Global rank that holds the data and decides the shards.
+        shards: On ``src``: one index list per group rank (:func:`make_shards`). Ignored
+            elsewhere (pass ``None``).
+        lengths: Every rank's shard length, known on every rank (:func:`shard_lengths` of the
+            broadcast count): it sizes the receive buffer.
+        src: Global rank that decides the shards.
         group: Process group; the default group when ``None``.
-        device: Where the collectives run and the shard lands (``"cpu"`` for gloo, the rank's
-            CUDA device for NCCL).
+        device: Where the collective runs (``"cpu"`` for gloo, the rank's CUDA device for NCCL).
 
     Returns:
-        This rank's :class:`Shard` (possibly empty when the dataset is shorter than the group).
+        This rank's indices, possibly empty.
     """
-    device = torch.device(device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     is_src = dist.get_rank() == src
-    if is_src and not fields:
-        raise ValueError(f"rank {src} is the scatter source and needs the dataset fields, got {fields!r}")
-    header = [_header(fields, world_size) if is_src else None]
-    dist.broadcast_object_list(header, src=src, group=group, device=device)
-    sizes, layouts = header[0]["sizes"], header[0]["layouts"]
-    received = []
-    for index, (tail_shape, dtype) in enumerate(layouts):
-        out = torch.empty((max(sizes), *tail_shape), dtype=dtype, device=device)
-        chunks = _padded_chunks(fields[index].to(device), sizes, device) if is_src else None
-        dist.scatter(out, chunks, src=src, group=group)
-        received.append(out[: sizes[rank]])
-    return Shard(fields=tuple(received), offset=sum(sizes[:rank]), num_samples=sum(sizes))
+    if is_src and (shards is None or [len(s) for s in shards] != list(lengths)):
+        raise ValueError(f"rank {src} needs one index list per rank with lengths {list(lengths)}, "
+                         f"got {None if shards is None else [len(s) for s in shards]}")
+    # Row layout: [real length, indices..., zero padding]: scatter needs equal-sized tensors.
+    out = torch.empty(max(lengths, default=0) + 1, dtype=torch.int64, device=device)
+    rows = None
+    if is_src:
+        rows = list(torch.zeros(world_size, out.numel(), dtype=torch.int64, device=device).unbind(0))
+        for row, shard in zip(rows, shards):
+            row[0] = len(shard)
+            row[1 : len(shard) + 1] = torch.as_tensor(list(shard), dtype=torch.int64)
+    dist.scatter(out, rows, src=src, group=group)
+    real_length = int(out[0])
+    assert real_length == lengths[rank], (real_length, lengths)  # both sides computed the same plan
+    return out[1 : real_length + 1].tolist()
+
+
+class ShardSampler(Sampler[int]):
+    """Yields a fixed list of dataset indices in order (this rank's evaluation shard)."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self._indices = list(indices)
+
+    @property
+    def indices(self) -> list[int]:
+        return list(self._indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)

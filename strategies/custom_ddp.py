@@ -21,8 +21,9 @@ Lightning's. It replaces three things, each through a public seam of the strateg
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
    replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
-   over this rank's shard (:mod:`strategies.evaluation`): rank 0 materialises the
-   dataset and scatters contiguous shards, so every sample is evaluated once. Shards differ by
+   over this rank's shard (:mod:`strategies.evaluation`): rank 0 scatters contiguous shards of
+   the sample INDICES and every rank reads its own samples through the user's loader settings,
+   so every sample is evaluated once and no sample crosses the network. Shards differ by
    one sample, so ranks run different numbers of batches and nothing may communicate per batch.
    The module's torchmetrics objects are made exact without the module knowing: their
    compute-time sync is off for the run and, after a rank's last step of each loader, the sum
@@ -91,6 +92,20 @@ def _check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero
         raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
 
 
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    """``timeout`` as a ``timedelta``: a number counts seconds (YAML and flags need no ``h:m:s``)."""
+    if timeout is None:
+        return None  # torch's default process-group timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise TypeError(f"CustomDDPStrategy: timeout={timeout!r} must be a number of seconds or a timedelta, "
+                        "e.g. timeout=1800 or timeout=timedelta(minutes=30).")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:  # also rejects NaN
+        raise ValueError(f"CustomDDPStrategy: timeout={timeout!r} must be > 0 seconds (a collective waits that long "
+                         "for a dead peer), e.g. timeout=1800.")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
 class CustomDDPStrategy(DDPStrategy):
     """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
 
@@ -105,7 +120,8 @@ class CustomDDPStrategy(DDPStrategy):
         scatter_eval: Scatter evaluation datasets (each sample once) and reduce metric sums once
             per epoch; ``False`` falls back to Lightning's ``DistributedSampler`` behaviour.
         process_group_backend: ``"gloo"``/``"nccl"``; by default gloo on CPU, NCCL on CUDA.
-        timeout: Collective timeout; a dead peer ends the run with an error after it.
+        timeout: Collective timeout, a ``timedelta`` or a number of seconds (> 0); a dead peer ends
+            the run with an error after it. ``None``: torch's default.
         start_method: ``"popen"`` (default, re-runs the script), ``"fork"`` or ``"spawn"``.
     """
 
@@ -124,7 +140,7 @@ class CustomDDPStrategy(DDPStrategy):
         zero1: bool = False,
         scatter_eval: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         _check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval)
@@ -135,7 +151,7 @@ class CustomDDPStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=_as_timedelta(timeout),
             start_method=start_method,
         )
         self._sync_batchnorm = sync_batchnorm
@@ -270,8 +286,7 @@ class CustomDDPStrategy(DDPStrategy):
         if not self._scatters_now():
             return dataloader
         device = self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
-        return self._evaluation.loader(dataloader, is_source=self.is_global_zero, world_size=self.world_size,
-                                       device=device)
+        return self._evaluation.loader(dataloader, self.lightning_module.trainer, device=device)
 
     def _begin_eval(self) -> None:
         if self._scatters_now():

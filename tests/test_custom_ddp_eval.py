@@ -8,6 +8,7 @@ with one all-reduce per evaluation epoch and no hang from the uneven batch count
 from __future__ import annotations
 
 import json
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from strategies.custom_ddp import CustomDDPStrategy
+from strategies.evaluation import _choose_layout
 
 pytestmark = pytest.mark.distributed
 NUM_SAMPLES = 11
@@ -174,8 +176,34 @@ def test_without_scatter_lightning_pads_with_duplicates() -> None:
     assert actual["val/count"] == NUM_SAMPLES + 1
 
 
-def test_more_ranks_than_samples_is_a_clear_error() -> None:
+def test_more_ranks_than_samples_falls_back_to_the_padded_layout() -> None:
+    # 1 sample, 2 ranks: a rank without a batch would skip the collectives, so both evaluate it.
     module = EvalModule()
     module.val_dataloader = lambda: DataLoader(IndexedDataset(1), batch_size=4)
-    with pytest.raises(Exception, match="at least one per rank"):
-        _trainer(_custom()).validate(module, verbose=False)
+    actual = _trainer(_custom()).validate(module, verbose=False)[0]  # warns in the (forked) ranks
+    assert actual["val/count"] == 2
+
+
+@pytest.mark.parametrize("limit", [0.5, 1, 2])
+def test_limit_val_batches_runs_on_every_rank(limit) -> None:
+    # 5 samples, batches of 2: contiguous shards 3 + 2 give 2 + 1 batches, and 0.5 would leave
+    # rank 1 with int(0.5) = 0 batches: that case must fall back, the others stay exact.
+    module = EvalModule()
+    module.val_dataloader = lambda: DataLoader(IndexedDataset(5), batch_size=2)
+    actual = _trainer(_custom(), limit_val_batches=limit).validate(module, verbose=False)[0]
+    assert actual["val/count"] == {0.5: 4, 1: 4, 2: 5}[limit]
+
+
+@pytest.mark.parametrize("num_samples, batch_size, limit, layout", [
+    (11, 4, 1.0, "contiguous"),      # 6 + 5 samples: 2 + 2 batches
+    (5, 2, 0.5, "strided_padded"),   # 3 + 2 samples: 2 + 1 batches -> int(0.5 * 1) = 0 on rank 1
+    (5, 2, 1, "contiguous"),         # an int limit keeps one batch on each rank
+    (1, 4, 1.0, "strided_padded"),   # fewer samples than ranks
+    (0, 4, 1.0, "contiguous"),       # nothing on any rank: every rank skips, consistently
+])
+def test_layout_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, limit, layout) -> None:
+    loader = DataLoader(range(num_samples), batch_size=batch_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _choose_layout(num_samples, 2, loader, limit) == layout
+    assert any("padded layout" in str(w.message) for w in caught) == (layout == "strided_padded")

@@ -6,26 +6,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from parallel.metric_reduction import EpochMetricReducer
 from collectives.launcher import run_workers
-from parallel.eval_sharding import materialize, scatter_shards, shard_sizes
-
-
-class _PairDataset(torch.utils.data.Dataset):
-    """(uint8 image, int label) samples, like the CIFAR datasets."""
-
-    def __init__(self, n: int) -> None:
-        self.images = torch.arange(n * 12, dtype=torch.uint8).view(n, 3, 2, 2)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.images[i], int(i)
+from parallel.eval_sharding import (
+    ShardSampler,
+    broadcast_count,
+    make_shards,
+    scatter_shard_indices,
+    shard_lengths,
+    shard_sizes,
+)
 
 
 def test_shard_sizes_cover_every_sample_once() -> None:
@@ -36,34 +30,49 @@ def test_shard_sizes_cover_every_sample_once() -> None:
         shard_sizes(4, 0)
 
 
-def test_materialize_stacks_fields_in_index_order() -> None:
-    images, labels = materialize(_PairDataset(7), indices=[6, 0, 3], batch_size=2)
-    assert images.dtype == torch.uint8 and images.shape == (3, 3, 2, 2)
-    assert labels.tolist() == [6, 0, 3]
-    with pytest.raises(TypeError, match="flat tuple"):
-        materialize([{"x": torch.zeros(1)}])
+def test_contiguous_shards_follow_the_given_order() -> None:
+    order = [9, 3, 7, 1, 0, 5, 2]
+    assert make_shards(order, 2) == [[9, 3, 7, 1], [0, 5, 2]]
+    assert make_shards([], 2) == [[], []]
+    assert shard_lengths(7, 2) == [4, 3]
 
 
-def _scatter_worker(rank: int, world_size: int, n: int) -> tuple[list[int], tuple, int, int]:
-    fields = materialize(_PairDataset(n)) if rank == 0 else None
+def test_strided_padded_layout_is_distributed_samplers() -> None:
+    for n, world_size in [(11, 2), (10, 3), (2, 3), (1, 4)]:
+        expected = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
+                    for r in range(world_size)]
+        assert make_shards(list(range(n)), world_size, "strided_padded") == expected
+        assert shard_lengths(n, world_size, "strided_padded") == [len(e) for e in expected]
+    with pytest.raises(ValueError, match="layout"):
+        shard_lengths(4, 2, "random")
+
+
+def _scatter_worker(rank: int, world_size: int, n: int, layout: str) -> tuple[list[int], int]:
+    order = list(range(n))[::-1] if rank == 0 else None  # the source's sampler order: reversed
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        shard = scatter_shards(fields)
-    scatters = sum(e.count for e in prof.key_averages() if e.key == "c10d::scatter_")
-    images, labels = shard.fields
-    assert torch.equal(images, _PairDataset(n).images[labels])  # images travelled with their labels
-    return labels.tolist(), tuple(images.shape[1:]), shard.offset, scatters
+        count = broadcast_count(None if order is None else len(order))
+        lengths = shard_lengths(count, world_size, layout)
+        shards = None if order is None else make_shards(order, world_size, layout)
+        indices = scatter_shard_indices(shards, lengths)
+    collectives = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+    assert list(ShardSampler(indices)) == indices and len(ShardSampler(indices)) == len(indices)
+    return indices, collectives
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("n, world_size", [(11, 2), (10, 3), (2, 3)])
-def test_scatter_gives_each_sample_to_exactly_one_rank(tmp_path, n: int, world_size: int) -> None:
-    results = run_workers(_scatter_worker, world_size, args=(n,), init_file=tmp_path / "store")
-    seen = [label for labels, _, _, _ in results for label in labels]
-    assert sorted(seen) == list(range(n))  # no duplicate, no dropped remainder
-    assert [len(labels) for labels, _, _, _ in results] == shard_sizes(n, world_size)
-    assert [offset for _, _, offset, _ in results] == [sum(shard_sizes(n, world_size)[:r]) for r in range(world_size)]
-    assert all(shape == (3, 2, 2) for _, shape, _, _ in results)
-    assert all(scatters == 2 for *_, scatters in results)  # one scatter per field
+@pytest.mark.parametrize("n, world_size", [(11, 2), (10, 3), (2, 3), (0, 2)])
+def test_scatter_gives_each_index_to_exactly_one_rank(tmp_path, n: int, world_size: int) -> None:
+    results = run_workers(_scatter_worker, world_size, args=(n, "contiguous"), init_file=tmp_path / "store")
+    shards = [indices for indices, _ in results]
+    assert shards == make_shards(list(range(n))[::-1], world_size)  # contiguous runs of rank 0's order
+    assert sorted(i for shard in shards for i in shard) == list(range(n))  # no duplicate, nothing dropped
+    assert all(collectives == 2 for _, collectives in results)  # one broadcast + one scatter, no samples
+
+
+@pytest.mark.distributed
+def test_scatter_of_the_padded_layout(tmp_path) -> None:
+    results = run_workers(_scatter_worker, 2, args=(3, "strided_padded"), init_file=tmp_path / "store")
+    assert [indices for indices, _ in results] == [[2, 0], [1, 2]]
 
 
 def _metrics() -> list:
