@@ -141,6 +141,8 @@ class BenchmarkMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         summary = _gather(trainer, _row(self._fit, self._fit_peak))
+        # The raw steady-state step times of every rank: what confidence intervals are computed from.
+        step_samples = _gather_samples(trainer, self._fit.step_s)
         log_dir = trainer.log_dir  # a broadcast inside: every rank must ask
         if not trainer.is_global_zero or log_dir is None:
             return
@@ -155,6 +157,7 @@ class BenchmarkMonitor(Callback):
             "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
                               if isinstance(v, torch.Tensor) and v.numel() == 1},
             "summary": summary,
+            "step_s_per_rank": step_samples,
             "epochs": self._epochs,
         })
         with open(self.path, "w") as out:
@@ -204,6 +207,16 @@ def _gather(trainer: Trainer, row: dict[str, float]) -> dict[str, Any]:
     merged["samples_per_s"] = _ratio(merged["samples"], merged["time_s"])
     merged["steady_samples_per_s"] = _ratio(merged["steady_samples"], merged["steady_s"])
     return {"per_rank": per_rank, "global": merged}
+
+
+def _gather_samples(trainer: Trainer, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (lengths may differ): one gather of the lengths, one of the padded samples."""
+    device = trainer.strategy.root_device
+    lengths = trainer.strategy.all_gather(torch.tensor([len(values)], device=device)).reshape(-1).tolist()
+    padded = torch.full((max(max(lengths), 1),), math.nan, dtype=torch.float64, device=device)
+    padded[: len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
+    table = trainer.strategy.all_gather(padded).reshape(len(lengths), -1).cpu()
+    return [table[rank, :length].tolist() for rank, length in enumerate(lengths)]
 
 
 def _nanmax(values: list[float]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import math
 from pathlib import Path
 
@@ -195,6 +196,9 @@ def _check_report(report: dict, world_size: int, epochs: int) -> None:
         assert merged["samples_per_s"] > 0
     assert report["epochs"][0]["per_rank"]["samples"] == [48 / world_size] * world_size
     assert report["summary"]["per_rank"]["step_s_count"] == [epochs * steps_per_rank - 1] * world_size
+    raw = report["step_s_per_rank"]  # the raw samples behind the medians, for confidence intervals
+    assert [len(r) for r in raw] == [epochs * steps_per_rank - 1] * world_size
+    assert max(statistics.median(r) for r in raw) == pytest.approx(report["summary"]["global"]["step_s_median"])
 
 
 def _scalars(log_dir: Path) -> dict[str, list[float]]:
