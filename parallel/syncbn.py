@@ -8,7 +8,7 @@ it (torch DDP rejects that class on CPU).
 
 Example:
     >>> net = SyncBatchNorm.convert(torchvision.models.resnet18())  # doctest: +SKIP
-    >>> net = SyncBatchNorm.revert(net)  # back to BatchNorm2d  # doctest: +SKIP
+    >>> net = SyncBatchNorm.revert(net)  # the same BatchNorm2d objects again  # doctest: +SKIP
 
 Pure torch; no Lightning import (the Lightning adapter is :mod:`strategies.layer_sync`).
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from parallel.syncbn_function import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
-
-_BATCH_NORM_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -34,7 +33,8 @@ class SyncBatchNorm(_BatchNorm):
     and the group has more than one rank; otherwise the layer is ordinary BatchNorm (same math,
     no communication). Eval mode uses the running statistics like torch. Every rank of the group
     must call forward and backward of this layer the same number of times, also ranks whose
-    local batch is empty.
+    local batch is empty. A layer made by :meth:`convert` accepts the input ranks the replaced
+    layer accepted (``BatchNorm2d``: 4D only); one built directly accepts 2D to 5D.
 
     Args:
         num_features: Number of channels C.
@@ -46,6 +46,7 @@ class SyncBatchNorm(_BatchNorm):
         process_group: Group to synchronise over; ``None`` for the default (world) group.
         device: Device of parameters and buffers.
         dtype: Dtype of parameters and buffers.
+        bias: With ``affine``, learn the shift as well (keyword-only, as in torch).
     """
 
     def __init__(
@@ -58,22 +59,37 @@ class SyncBatchNorm(_BatchNorm):
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+        )
         self.process_group = process_group
-        # The class `convert` replaced, so that `revert` restores exactly that class.
-        self._original_class: type[_BatchNorm] | None = None
+        # The layer `convert` replaced, so that `revert` hands back that very object. Set with
+        # object.__setattr__: registered as a submodule it would enter state_dict, parameters()
+        # and module traversals twice.
+        object.__setattr__(self, "_original_module", None)
+
+    @property
+    def original_module(self) -> _BatchNorm | None:
+        """The layer :meth:`convert` replaced (``None`` for a layer built directly)."""
+        return self._original_module
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() not in (2, 3, 4, 5):
+        original = self._original_module
+        if original is not None and _defines_dim_check(original):
+            # As strict as the replaced class, with its (torch's) message.
+            original._check_input_dim(input)
+        elif input.dim() not in (2, 3, 4, 5):
             raise ValueError(
                 f"SyncBatchNorm expects a 2D-5D input (N, C, *), got {input.dim()}D input of "
                 f"shape {tuple(input.shape)}; add a batch dimension for a single sample."
             )
-        if input.shape[1] != self.num_features:
+        if input.dim() < 2 or input.shape[1] != self.num_features:
             raise ValueError(
                 f"SyncBatchNorm was built for num_features={self.num_features} channels, got "
-                f"input of shape {tuple(input.shape)} with {input.shape[1]} channels in dim 1."
+                f"input of shape {tuple(input.shape)}; channels must be in dim 1."
             )
         if not input.is_floating_point():
             raise ValueError(
@@ -129,10 +145,14 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
-        """Replace every ``BatchNorm{1,2,3}d`` (and ``nn.SyncBatchNorm``) in ``module`` recursively.
+        """Replace every BatchNorm layer in ``module`` recursively, like torch's converter.
 
+        Every ``_BatchNorm`` instance is replaced: ``BatchNorm{1,2,3}d``, subclasses of them or
+        of ``_BatchNorm``, and ``torch.nn.SyncBatchNorm``; layers of this class stay. As in
+        torch, a subclass's own ``forward`` and extra parameters are not used while converted.
         Parameters and buffers are shared with the replaced layers (not copied), so
-        ``requires_grad``, values, device and dtype carry over; so does the training flag.
+        ``requires_grad``, values, device and dtype carry over; so do the training flag,
+        ``qconfig`` and child modules.
 
         Args:
             module: A model, or a single BatchNorm layer.
@@ -140,28 +160,51 @@ class SyncBatchNorm(_BatchNorm):
 
         Returns:
             ``module`` itself with its children replaced, or the new layer if ``module`` is one.
+
+        Raises:
+            ValueError: a lazy BatchNorm has not been initialised by a first forward yet.
         """
-        if isinstance(module, _BATCH_NORM_CLASSES) and not isinstance(module, cls):
-            converted = cls(
-                module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
-                process_group,
-                device="meta",
-            )
-            converted._original_class = type(module)
-            _move_state(module, converted)
-            return converted
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            module = cls._replacing(module, process_group)
         for name, child in module.named_children():
             setattr(module, name, cls.convert(child, process_group))
         return module
 
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> nn.Module:
+        """Alias of :meth:`convert` under ``torch.nn.SyncBatchNorm``'s name."""
+        return cls.convert(module, process_group)
+
+    @classmethod
+    def _replacing(cls, module: _BatchNorm, process_group: dist.ProcessGroup | None) -> SyncBatchNorm:
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(
+                f"Cannot convert {type(module).__name__} to SyncBatchNorm: its parameters are "
+                f"not initialised yet (lazy module); run one forward pass on a sample batch "
+                f"before SyncBatchNorm.convert."
+            )
+        converted = cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+            device="meta",  # replaced by the shared tensors next: nothing allocated twice
+            bias=module.bias is not None,
+        )
+        _move_state(module, converted)
+        object.__setattr__(converted, "_original_module", module)
+        return converted
+
     @staticmethod
     def revert(module: nn.Module) -> nn.Module:
-        """Undo :meth:`convert`: every :class:`SyncBatchNorm` becomes the class it replaced.
+        """Undo :meth:`convert`: every :class:`SyncBatchNorm` gives back the layer it replaced.
 
+        That is the original object (same class, hooks and attributes) holding the current
+        parameters and buffers, which may have been reassigned meanwhile (e.g. by ``.to()``).
         A layer built directly as :class:`SyncBatchNorm` becomes a ``BatchNorm`` accepting any
         of the input ranks this class accepts.
 
@@ -169,23 +212,25 @@ class SyncBatchNorm(_BatchNorm):
             module: A model, or a single :class:`SyncBatchNorm` layer.
 
         Returns:
-            ``module`` itself with its children reverted, or the new layer if ``module`` is one.
+            ``module`` itself with its children reverted, or the restored layer if ``module`` is one.
         """
-        if isinstance(module, SyncBatchNorm):
-            original_class = module._original_class or _BatchNormXd
-            reverted = original_class(
+        for name, child in module.named_children():
+            setattr(module, name, SyncBatchNorm.revert(child))
+        if not isinstance(module, SyncBatchNorm):
+            return module
+        original = module._original_module
+        if original is None:
+            original = _BatchNormXd(
                 module.num_features,
                 module.eps,
                 module.momentum,
                 module.affine,
                 module.track_running_stats,
                 device="meta",
+                bias=module.bias is not None,
             )
-            _move_state(module, reverted)
-            return reverted
-        for name, child in module.named_children():
-            setattr(module, name, SyncBatchNorm.revert(child))
-        return module
+        _move_state(module, original)
+        return original
 
 
 class _BatchNormXd(_BatchNorm):
@@ -197,18 +242,23 @@ class _BatchNormXd(_BatchNorm):
             raise ValueError(f"expected a 2D-5D input (N, C, *), got {input.dim()}D")
 
 
+def _defines_dim_check(module: nn.Module) -> bool:
+    """Whether ``module``'s class has its own ``_check_input_dim`` (``_NormBase``'s only raises)."""
+    return type(module)._check_input_dim is not _NormBase._check_input_dim
+
+
 def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
-    """Point ``target``'s parameters and buffers at ``source``'s and copy its mode flags."""
-    # `target` was built on the meta device: nothing is allocated twice, and the shared
-    # tensors keep their device, dtype and requires_grad.
+    """Point ``target``'s parameters, buffers and children at ``source``'s; copy its flags."""
+    # Shared tensors keep their device, dtype and requires_grad. A None (bias=False, no running
+    # stats) is set as well: `target` may be an original whose slot was a tensor.
     for name in ("weight", "bias"):
-        param = getattr(source, name)
-        if param is not None:
-            setattr(target, name, param)
+        setattr(target, name, getattr(source, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
-        buffer = getattr(source, name)
-        if buffer is not None:
-            setattr(target, name, buffer)
-    target.train(source.training)
+        setattr(target, name, getattr(source, name))
+    target.eps, target.momentum = source.eps, source.momentum
+    for name, child in source.named_children():
+        target.add_module(name, child)
+    # The flag only, as torch's converter does: `.train()` would recurse into the children.
+    target.training = source.training
     if hasattr(source, "qconfig"):  # keep quantisation configs, as torch's converter does
         target.qconfig = source.qconfig

@@ -37,7 +37,7 @@ class CustomSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Replace every ``BatchNorm{1,2,3}d`` in ``model`` by :class:`SyncBatchNorm`."""
+        """Replace every BatchNorm layer (any ``_BatchNorm``, user subclasses included) in ``model`` by :class:`SyncBatchNorm`."""
         return SyncBatchNorm.convert(model, self._process_group)
 
     @override

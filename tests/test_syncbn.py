@@ -4,6 +4,8 @@ Multi-rank parity lives in test_syncbn_distributed.py and the assignment's grid 
 test_syncbn_grid.py.
 """
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch.plugins import LayerSync
@@ -20,9 +22,10 @@ def _pair(torch_class, num_features, **kwargs):
     if reference.affine:
         with torch.no_grad():
             reference.weight.uniform_(0.5, 1.5)
-            reference.bias.normal_()
             ours.weight.copy_(reference.weight)
-            ours.bias.copy_(reference.bias)
+            if reference.bias is not None:
+                reference.bias.normal_()
+                ours.bias.copy_(reference.bias)
     return reference, ours
 
 
@@ -44,8 +47,8 @@ def _step(layer, x, grad):
 )
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"momentum": None}, {"affine": False}, {"track_running_stats": False}],
-    ids=["default", "cumulative", "no-affine", "no-running-stats"],
+    [{}, {"momentum": None}, {"affine": False}, {"track_running_stats": False}, {"bias": False}],
+    ids=["default", "cumulative", "no-affine", "no-running-stats", "no-bias"],
 )
 def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kwargs):
     reference, ours = _pair(torch_class, shape[1], **kwargs)
@@ -60,7 +63,9 @@ def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kw
     torch.testing.assert_close(ours.state_dict(), reference.state_dict())
     if reference.affine:
         torch.testing.assert_close(ours.weight.grad, reference.weight.grad)
+    if reference.bias is not None:
         torch.testing.assert_close(ours.bias.grad, reference.bias.grad)
+    assert (ours.bias is None) == (reference.bias is None)
 
 
 def test_channels_last_input_gives_channels_last_output_and_grad():
@@ -164,3 +169,114 @@ def test_layer_sync_plugin_applies_and_reverts():
     net = plugin.apply(_Net())
     assert type(net.features[1]) is SyncBatchNorm
     assert type(plugin.revert(net).features[1]) is nn.BatchNorm2d
+
+
+def test_convert_without_bias_keeps_bias_none_and_matches_torch():
+    reference = nn.BatchNorm2d(4, bias=False).double()
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+    layer = nn.BatchNorm2d(4, bias=False).double()
+    layer.load_state_dict(reference.state_dict())
+    converted = SyncBatchNorm.convert(layer)
+    assert type(converted) is SyncBatchNorm and converted.bias is None
+    assert "bias=False" in repr(converted)
+    assert [name for name, _ in converted.named_parameters()] == ["weight"]  # nothing on meta
+    generator = torch.Generator().manual_seed(1)
+    for mode in ("train", "train", "eval"):
+        reference.train(mode == "train")
+        converted.train(mode == "train")
+        x = 1.0 + torch.randn(3, 4, 2, 5, generator=generator, dtype=torch.float64)
+        grad = torch.randn(3, 4, 2, 5, generator=generator, dtype=torch.float64)
+        for got, want in zip(_step(converted, x, grad), _step(reference, x, grad)):
+            torch.testing.assert_close(got, want)
+    torch.testing.assert_close(converted.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(converted.state_dict(), reference.state_dict())
+    reverted = SyncBatchNorm.revert(converted)
+    assert reverted is layer and layer.bias is None and "bias" in layer._parameters
+
+
+class _TaggedBatchNorm(nn.BatchNorm2d):
+    """A user subclass whose constructor differs from BatchNorm2d's."""
+
+    def __init__(self, tag: str, num_features: int) -> None:
+        super().__init__(num_features, momentum=0.3)
+        self.tag = tag
+
+
+class _PlainNorm(nn.modules.batchnorm._BatchNorm):
+    """A direct `_BatchNorm` subclass without its own input-dim check (torch's only raises)."""
+
+
+def test_convert_and_revert_subclasses_give_back_the_same_objects():
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), _TaggedBatchNorm("mine", 4), nn.SyncBatchNorm(4))
+    originals = [net[1], net[2]]
+    net[1].weight.requires_grad_(False)
+    net[2].eval()
+    net[1].qconfig = "q"  # torch's converter carries qconfig; any value does for the check
+    before = net.state_dict(keep_vars=True)
+
+    SyncBatchNorm.convert(net)
+    assert type(net[1]) is SyncBatchNorm and type(net[2]) is SyncBatchNorm
+    assert net[1].original_module is originals[0] and net[1].momentum == 0.3
+    assert net[1].qconfig == "q" and not net[1].weight.requires_grad and not net[2].training
+    assert all(net.state_dict(keep_vars=True)[k] is v for k, v in before.items())
+    assert len(list(net.modules())) == 4  # the held originals are not submodules
+    net(torch.randn(2, 3, 3, 3)).sum().backward()
+    net.double()  # reassigns the buffers: revert must hand the new tensors to the originals
+    after = net.state_dict(keep_vars=True)
+
+    assert SyncBatchNorm.revert(net) is net
+    assert net[1] is originals[0] and type(net[1]) is _TaggedBatchNorm and net[1].tag == "mine"
+    assert net[2] is originals[1] and type(net[2]) is nn.SyncBatchNorm and not net[2].training
+    assert all(net.state_dict(keep_vars=True)[k] is v for k, v in after.items())
+    assert net[1].running_mean.dtype == torch.float64 and net[1].num_batches_tracked == 1
+
+
+def test_convert_a_plain_batch_norm_subclass_accepts_2d_to_5d():
+    layer = SyncBatchNorm.convert(_PlainNorm(3))
+    assert type(layer) is SyncBatchNorm
+    assert layer(torch.randn(4, 3)).shape == (4, 3)
+    with pytest.raises(ValueError, match="2D-5D"):
+        layer(torch.randn(3))
+
+
+def test_convert_rejects_an_uninitialised_lazy_batch_norm():
+    with pytest.raises(ValueError, match="LazyBatchNorm2d.*run one forward pass"):
+        SyncBatchNorm.convert(nn.Sequential(nn.LazyBatchNorm2d()))
+    lazy = nn.LazyBatchNorm2d()
+    lazy(torch.randn(2, 3, 2, 2))  # initialised: it has become a BatchNorm2d
+    assert type(SyncBatchNorm.convert(lazy)) is SyncBatchNorm
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "good", "bad"),
+    [
+        (nn.BatchNorm1d, [(4, 3), (4, 3, 2)], [(4, 3, 2, 2)]),
+        (nn.BatchNorm2d, [(4, 3, 2, 2)], [(4, 3), (4, 3, 2), (4, 3, 2, 2, 2)]),
+        (nn.BatchNorm3d, [(4, 3, 2, 2, 2)], [(4, 3, 2, 2)]),
+    ],
+)
+def test_converted_layers_check_input_dims_like_the_class_they_replaced(torch_class, good, bad):
+    converted = SyncBatchNorm.convert(torch_class(3))
+    for shape in good:
+        assert converted(torch.randn(shape)).shape == shape
+    for shape in bad:
+        with pytest.raises(ValueError) as expected:
+            torch_class(3)(torch.randn(shape))
+        with pytest.raises(ValueError, match=f"^{re.escape(str(expected.value))}$"):
+            converted(torch.randn(shape))
+    with pytest.raises(ValueError, match="num_features=3"):  # our checks still follow
+        converted(torch.randn(good[0][:1] + (5,) + good[0][2:]))
+
+
+def test_a_layer_built_directly_accepts_2d_to_5d():
+    layer = SyncBatchNorm(3)
+    for shape in [(4, 3), (4, 3, 2), (4, 3, 2, 2), (4, 3, 2, 2, 2)]:
+        assert layer(torch.randn(shape)).shape == shape
+
+
+def test_convert_sync_batchnorm_is_torchs_name_for_convert():
+    group = object()  # stands in for a ProcessGroup: convert only stores it
+    net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)), group)
+    assert type(net[0]) is SyncBatchNorm and net[0].process_group is group
+    assert type(SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is SyncBatchNorm

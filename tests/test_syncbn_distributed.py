@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from collectives.launcher import run_workers
+from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
 
 pytestmark = pytest.mark.distributed
@@ -230,3 +231,65 @@ def _single_rank_worker(rank: int, world_size: int) -> int:
 
 def test_world_size_one_communicates_nothing(tmp_path):
     assert run_workers(_single_rank_worker, 1, init_file=tmp_path / "store") == [0]
+
+
+# A conv net trained for 2 SGD steps: converted + gradient averaging on 2 ranks with uneven
+# local batches must equal one process training the unconverted net on the global batch.
+_NET_SIZES = (3, 5)
+
+
+def _conv_net(norm_kwargs: dict) -> nn.Module:
+    torch.manual_seed(11)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.BatchNorm2d(6, **norm_kwargs),
+        nn.ReLU(),
+        nn.Conv2d(6, 4, 3),
+        nn.BatchNorm2d(4, momentum=None, **norm_kwargs),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).double()
+
+
+def _net_step_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(500 + step)
+    x = 1.0 + torch.randn(sum(_NET_SIZES), 3, 6, 6, generator=generator, dtype=torch.float64)
+    return x, torch.randint(0, 3, (sum(_NET_SIZES),), generator=generator)
+
+
+def _train_net(net: nn.Module, rows: slice, grad_scale: float, model=None, finish=None) -> dict:
+    """2 SGD steps on ``rows`` of each global batch; loss = sum over rows * grad_scale."""
+    model, finish = model or net, finish or (lambda: None)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        x, y = _net_step_data(step)
+        loss = nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum") * grad_scale
+        loss.backward()
+        finish()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _net_worker(rank: int, world_size: int, norm_kwargs: dict) -> dict:
+    net = SyncBatchNorm.convert(_conv_net(norm_kwargs))
+    assert all(type(m) is not nn.BatchNorm2d for m in net.modules())
+    synced = SyncedDataParallel(net)  # averages: scale the local sum so the average is the mean
+    first = sum(_NET_SIZES[:rank])
+    rows = slice(first, first + _NET_SIZES[rank])
+    return _train_net(net, rows, world_size / sum(_NET_SIZES), synced, synced.finish)
+
+
+@pytest.mark.parametrize("norm_kwargs", [{"bias": False}, {"affine": False}], ids=["no-bias", "no-affine"])
+def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs):
+    results = run_workers(_net_worker, 2, args=(norm_kwargs,), init_file=tmp_path / "store")
+
+    expected = _train_net(_conv_net(norm_kwargs), slice(None), 1 / sum(_NET_SIZES))
+    for result in results:
+        assert result.keys() == expected.keys()
+        torch.testing.assert_close(result, expected, atol=1e-10, rtol=1e-9)
+    weights = [k for k in expected if k.endswith(("weight", "bias"))]
+    max_diff = max((results[0][k] - expected[k]).abs().max().item() for k in weights)
+    print(f"max |weight difference| vs one process ({norm_kwargs}): {max_diff:.3g}")
+    assert max_diff < 1e-10, max_diff
+    assert not any(k.endswith("1.bias") for k in expected)  # no BatchNorm shift in either case
