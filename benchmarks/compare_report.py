@@ -1,39 +1,64 @@
-"""Numbers, ratios, targets and the Markdown of the ``custom_ddp`` vs ``ddp`` comparison.
+"""Analysis and Markdown of the ``custom_ddp`` vs ``ddp`` comparison (intervals from :mod:`benchmarks.harness`).
 
-Reads what each training run left in its log directory: ``benchmark.json`` (written by
-:class:`callbacks.BenchmarkMonitor`) and the TensorBoard scalars the LightningModule logged.
+A data-parallel step is as slow as its slowest rank, so a step's time is the maximum over ranks
+of that step's time on each rank (``BenchmarkMonitor`` keeps every rank's raw step times); the
+steps of all rounds of a variant are pooled. Derived numbers, each with a bootstrap 95 % CI:
+
+- step-time ratios against named anchors (``ddp_default``, ``ddp_tuned``);
+- exposed communication: a 2-process variant's median step minus the 1-process median step at
+  the same per-process batch (what communication and waiting add, overlapped or not);
+- scaling efficiency: 2-process throughput / (2 x 1-process throughput), which at the same
+  per-process batch is ``step(1 process) / step(2 processes)``.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-__all__ = ["CURVES", "headline", "read_scalars", "ratio", "render_markdown", "targets"]
+from benchmarks.compare_runs import VARIANTS
+from benchmarks.harness import difference_ci, fmt_estimate, markdown_header, median_ci, ratio_ci, table
+
+__all__ = ["analyse", "read_scalars", "render_markdown", "step_samples"]
 
 CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")
-MB = 2**20
+# (numerator, denominator): every headline ratio names its anchor.
+RATIOS = (("custom_ddp", "ddp_default"), ("custom_ddp", "ddp_tuned"), ("custom_ddp_localbn", "ddp_tuned"),
+          ("custom_ddp", "custom_ddp_localbn"))
+TWO_PROCESS = ("custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned")
 
-# (key, label, unit, lower is better); rows of the main table in this order.
-ROWS = (
-    ("epoch_s", "epoch time (median over epochs)", "s", True),
-    ("step_s", "optimizer step time (median)", "ms", True),
-    ("step_trimmed_s", "optimizer step time (10-90 % mean)", "ms", True),
-    ("micro_batch_s", "micro-batch time (median)", "ms", True),
-    ("data_wait_s", "data wait per step (median)", "ms", True),
-    ("samples_per_s", "throughput, steady state (samples/s, all ranks)", "", False),
-    ("peak_memory_mb", "peak memory (max over ranks)", "MiB", True),
-    ("peak_above_start_mb", "peak memory above pre-wrap usage (what training adds)", "MiB", True),
-    ("peak_reserved_mb", "peak CUDA reserved (max over ranks)", "MiB", True),
-    ("val_acc1", "final val top-1 accuracy", "%", False),
-    ("val_loss", "final val loss", "", True),
-    ("test_acc1", "final test top-1 accuracy", "%", False),
-    ("test_loss", "final test loss", "", True),
-)
+
+def step_samples(runs: list[dict[str, Any]]) -> list[float]:
+    """Per-step times (max over ranks) of every round of one variant, pooled."""
+    samples: list[float] = []
+    for run in runs:
+        per_rank = run["benchmark"]["step_s_per_rank"]
+        samples += [max(step) for step in zip(*per_rank)]
+    return samples
+
+
+def _estimate(e: Any) -> dict[str, float]:
+    return asdict(e)
+
+
+def analyse(timing: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """Per accumulation setting: step medians, anchored ratios, exposed communication, scaling efficiency."""
+    analysis: dict[str, dict[str, Any]] = {}
+    for acc, by_variant in timing.items():
+        samples = {variant: step_samples(runs) for variant, runs in by_variant.items()}
+        row: dict[str, Any] = {"step_s": {v: _estimate(median_ci(s)) for v, s in samples.items()}}
+        row["ratios"] = {f"{a}/{b}": _estimate(ratio_ci(samples[a], samples[b]))
+                         for a, b in RATIOS if a in samples and b in samples}
+        if "single" in samples:
+            row["exposed_comm_s"] = {v: _estimate(difference_ci(samples[v], samples["single"]))
+                                     for v in TWO_PROCESS if v in samples}
+            row["scaling_efficiency"] = {v: _estimate(ratio_ci(samples["single"], samples[v]))
+                                         for v in TWO_PROCESS if v in samples}
+        analysis[acc] = row
+    return analysis
 
 
 def read_scalars(log_dir: Path, tags: tuple[str, ...] = CURVES) -> dict[str, list[tuple[int, float]]]:
@@ -44,170 +69,58 @@ def read_scalars(log_dir: Path, tags: tuple[str, ...] = CURVES) -> dict[str, lis
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag in present}
 
 
-def _last(curves: dict[str, list[tuple[int, float]]], tag: str, scale: float = 1.0) -> float:
-    series = curves.get(tag)
-    return series[-1][1] * scale if series else math.nan
-
-
-def headline(benchmark: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
-    """The compared numbers of one run (times in s, memory in MiB, accuracy in %)."""
-    fit = benchmark["summary"]["global"]
-    epochs = [e["global"]["time_s"] for e in benchmark["epochs"] if e["global"]["time_s"]]
-
-    def num(value: Any) -> float:
-        return math.nan if value is None else float(value)
-
-    return {
-        "epoch_s": statistics.median(epochs) if epochs else math.nan,
-        "step_s": num(fit["step_s_median"]),
-        "step_trimmed_s": num(fit["step_s_trimmed_mean"]),
-        "micro_batch_s": num(fit["micro_batch_s_median"]),
-        "data_wait_s": num(fit["data_wait_s_median"]),
-        "samples_per_s": num(fit["steady_samples_per_s"]),
-        "peak_memory_mb": num(fit["peak_bytes"]) / MB,
-        "peak_above_start_mb": num(fit.get("peak_above_start_bytes")) / MB,
-        "peak_reserved_mb": num(fit["peak_reserved_bytes"]) / MB,
-        "val_acc1": _last(curves, "val/acc1", 100.0),
-        "val_loss": _last(curves, "val/loss"),
-        "test_acc1": _last(curves, "test/acc1", 100.0),
-        "test_loss": _last(curves, "test/loss"),
-    }
-
-
-def ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator and not math.isnan(denominator) else math.nan
-
-
-def targets(custom: dict[str, float], ddp: dict[str, float], on_gpu: bool) -> list[dict[str, Any]]:
-    """The issue's targets for ``custom_ddp / ddp`` at the main accumulation setting."""
-    accuracy = "test_acc1" if not math.isnan(custom["test_acc1"]) else "val_acc1"
-    memory_limit = 0.85 if on_gpu else 1.0
-    rows = [
-        ("step time custom/ddp", ratio(custom["step_s"], ddp["step_s"]), 0.95, "ratio"),
-        (f"peak memory custom/ddp ({'CUDA allocated' if on_gpu else 'RSS'})",
-         ratio(custom["peak_memory_mb"], ddp["peak_memory_mb"]), memory_limit, "ratio"),
-        (f"Δ final {accuracy.split('_')[0]} top-1 accuracy, absolute (pp)",
-         abs(custom[accuracy] - ddp[accuracy]), 0.5, "pp"),
-    ]
-    out = []
-    for name, measured, limit, unit in rows:
-        met = not math.isnan(measured) and measured <= limit
-        out.append({"target": name, "limit": limit, "measured": measured, "met": met,
-                    "missed_by": 0.0 if met else measured - limit, "unit": unit})
+def headline(analysis: dict[str, dict[str, Any]], accuracy: dict[str, Any]) -> dict[str, Any]:
+    """The flat numbers the README quotes (generated from this record, never typed by hand)."""
+    out: dict[str, Any] = {}
+    for acc, row in analysis.items():
+        for name, estimate in row["ratios"].items():
+            out[f"step_ratio_{name.replace('/', '_vs_')}_acc{acc}"] = estimate
+        for variant, estimate in row.get("scaling_efficiency", {}).items():
+            out[f"scaling_efficiency_{variant}_acc{acc}"] = estimate
+    for variant, numbers in accuracy.items():
+        out[f"test_acc1_{variant}"] = numbers.get("test_acc1")
     return out
 
 
-def _fmt(value: float, unit: str = "") -> str:
-    if value is None or math.isnan(value):
-        return "–"
-    if unit == "ms":
-        return f"{value * 1e3:.1f}"
-    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+def _ms(e: dict[str, float]) -> str:
+    return fmt_estimate(e, scale=1e3, digits=1)
 
 
-def _main_table(custom: dict[str, float], ddp: dict[str, float], name: str = "custom_ddp") -> list[str]:
-    lines = [f"| metric | unit | {name} | ddp | {name} / ddp |", "|---|---|---:|---:|---:|"]
-    for key, label, unit, _ in ROWS:
-        if math.isnan(custom[key]) and math.isnan(ddp[key]):
-            continue
-        lines.append(f"| {label} | {unit} | {_fmt(custom[key], unit)} | {_fmt(ddp[key], unit)} | "
-                     f"{_fmt(ratio(custom[key], ddp[key]))} |")
+def _timing_tables(analysis: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for acc, row in analysis.items():
+        rows = []
+        for variant, step in row["step_s"].items():
+            exposed = row.get("exposed_comm_s", {}).get(variant)
+            efficiency = row.get("scaling_efficiency", {}).get(variant)
+            rows.append([VARIANTS[variant].label, _ms(step), step["n"], _ms(exposed) if exposed else "–",
+                         fmt_estimate(efficiency) if efficiency else "–"])
+        lines += [f"### accumulate {acc}", "",
+                  *table(["variant", "step (ms)", "steps", "exposed comm. (ms)", "scaling efficiency"], rows), "",
+                  *table(["ratio of median step times", "value [95 % CI]"],
+                         [[name, fmt_estimate(e)] for name, e in row["ratios"].items()]), ""]
     return lines
 
 
-def _sweep_table(sweep: list[dict[str, Any]]) -> list[str]:
-    lines = ["| accumulate | custom_ddp step (ms) | ddp step (ms) | custom / ddp | "
-             "custom_ddp per micro-batch (ms) | ddp per micro-batch (ms) |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    for row in sweep:
-        c, d = row["custom_ddp"], row["ddp"]
-        lines.append(f"| {row['accumulate']} | {_fmt(c['step_s'], 'ms')} | {_fmt(d['step_s'], 'ms')} | "
-                     f"{_fmt(ratio(c['step_s'], d['step_s']))} | "
-                     f"{_fmt(c['step_s'] / row['accumulate'], 'ms')} | "
-                     f"{_fmt(d['step_s'] / row['accumulate'], 'ms')} |")
-    return lines
-
-
-def _local_bn_section(result: dict[str, Any]) -> list[str]:
-    """CPU only: custom_ddp without SyncBatchNorm vs ddp, and what syncing BN statistics costs."""
-    local, ddp, custom = result.get("local_bn"), result["main"]["ddp"], result["main"]["custom_ddp"]
-    if not local:
-        return []
-    lines = ["## Like-for-like on CPU: both with local BatchNorm", "",
-             *_main_table(local, ddp, name="custom_ddp, local BN")]
-    cost = custom["step_s"] - local["step_s"]
-    accumulate = result["config"]["accumulate"]
-    lines += ["", f"Synchronising BatchNorm statistics (2 collectives per micro-batch, {2 * accumulate} per "
-              f"optimizer step) costs custom_ddp {_fmt(cost, 'ms')} ms per step here "
-              f"({_fmt(ratio(custom['step_s'], local['step_s']))}x its local-BN step time); Lightning's "
-              "ddp cannot pay that cost on CPU because torch.nn.SyncBatchNorm does not run there.", ""]
-    return lines
-
-
-def _target_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| target | limit | measured | met? |", "|---|---:|---:|---|"]
-    for row in rows:
-        verdict = "yes" if row["met"] else f"**no**, missed by {_fmt(row['missed_by'])} {row['unit']}"
-        lines.append(f"| {row['target']} | ≤ {row['limit']} | {_fmt(row['measured'])} | {verdict} |")
-    return lines
-
-
-def render_markdown(result: dict[str, Any]) -> str:
-    """The whole report; ``result`` is what :mod:`benchmarks.compare` saves as JSON."""
-    env, cfg = result["environment"], result["config"]
-    main = result["main"]
-    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
-    lines = [
-        f"# custom_ddp vs Lightning ddp — {cfg['net']} net, {cfg['dataset']} data, "
-        f"{cfg['devices']} processes",
-        "",
-        "## Infrastructure",
-        f"- CPU: {env['cpu']} ({env['cpu_count']} cores); GPUs: {', '.join(env['gpus']) or 'none'}",
-        f"- {versions}; Python {env['python']}; {env['platform']}",
-        f"- accelerator `{cfg['accelerator']}`, backend `{result['backend']}`, world size {cfg['devices']}, "
-        f"precision `{cfg['precision']}`, seed {cfg['seed']}",
-        f"- load average (1 min) before / after: {result['load_before']:.2f} / {result['load_after']:.2f}"
-        f" on {env['cpu_count']} cores; total wall time {result['wall_s'] / 60:.1f} min",
-        "",
-        "Reproduce (from the repository root):",
-        "",
-        f"    {result['command']}",
-        "",
-        "## Settings",
-        *[f"- **{name}**: {desc}" for name, desc in result["strategy_notes"].items()],
-        f"- both: same seed, data, net and hyper-parameters; accumulate {cfg['accumulate']}, "
-        f"{cfg['epochs']} epoch(s); timing excludes the first {cfg['warmup_steps']} optimizer steps "
-        "and validation",
-        "",
-        f"## Results at accumulate {cfg['accumulate']}",
-        "",
-        *_main_table(main["custom_ddp"], main["ddp"]),
-        "",
-        "## Targets",
-        "",
-        *_target_table(result["targets"]),
-        "",
-        *_local_bn_section(result),
-        "## Step time vs gradient accumulation",
-        "",
-        *_sweep_table(result["sweep"]),
-        "",
-        "## Plots",
-        "",
-        "![loss and accuracy](curves.png)",
-        "",
-        "![time and memory](time_memory.png)",
-        "",
-        "TensorBoard, both runs side by side: `tensorboard --logdir " + result["tb_root"] + "`",
-        "",
-        "## Notes",
-        *[f"- {note}" for note in result["notes"]],
-        "",
-        "## Runs",
-        "",
-        "| run | epochs | fit wall time (s) | command |",
-        "|---|---:|---:|---|",
-        *[f"| {name} | {run['epochs']} | {run['fit_wall_s']:.0f} | `python {run['fit_command']}` |"
-          for name, run in result["runs"].items()],
-    ]
+def render_markdown(record: dict[str, Any]) -> str:
+    """The whole report; ``record`` is what :mod:`benchmarks.compare` saves as ``results.json``."""
+    cfg = record["config"]
+    lines = markdown_header(record, f"custom_ddp vs Lightning ddp: {cfg['net']} net, SYNTHETIC data, 2 CPU processes")
+    lines += ["Synthetic stand-in data (official CIFAR-100 layout, not CIFAR-100): accuracies are not CIFAR-100 "
+              "results. On CPU torch.nn.SyncBatchNorm cannot run, so every ddp variant uses LOCAL BatchNorm; "
+              "`custom_ddp (local BN)` vs `ddp tuned` is the like-for-like comparison of the gradient sync, and "
+              "`custom_ddp / custom_ddp_localbn` is what synchronising BatchNorm costs.", "",
+              "## Variants", "", *[f"- **{v.label}** (`{k}`): {v.description}" for k, v in VARIANTS.items()],
+              "", f"Timing: {cfg['rounds']} interleaved rounds per setting, each a fresh `train.py fit` of "
+              f"{cfg['warmup_steps']} warm-up + {cfg['steps']} timed optimizer steps (batch {cfg['batch_size']} per "
+              "process); a step's time is the max over ranks; data loading excluded.", "",
+              "## Step time", "", *_timing_tables(record["analysis"])]
+    lines += ["## Accuracy (same seed, data and schedule)", "",
+              *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
+                     [[VARIANTS[v].label, cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
+                       f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
+              "![step time](step_time.png)", "", "![curves](curves.png)", "",
+              f"TensorBoard, the accuracy runs side by side: `tensorboard --logdir {cfg['out']}/tb`", ""]
+    if record.get("collectives"):
+        lines += ["## Collectives per optimizer step, by source", "", *record["collectives"]["markdown"], ""]
     return "\n".join(lines) + "\n"

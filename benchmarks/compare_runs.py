@@ -1,14 +1,20 @@
-"""The training runs of the comparison: their ``train.py`` command lines and their execution.
+"""The runs of the comparison: the variants, their ``train.py`` command lines and their execution.
 
-Each run is a separate ``python train.py fit ...`` (Lightning's default popen launcher re-runs it
-for the other ranks), exactly what a user types: fresh processes, so neither run inherits the
-other's memory or caches. A run that will be tested is then evaluated from its final checkpoint
-in THIS process on one device: the same yardstick for both strategies (no sampler padding, no
-strategy-specific evaluation path) and no second start-up of torch and Lightning per run.
+Each run is a separate ``python train.py fit ...`` (Lightning's popen launcher re-runs it for the
+other rank), exactly what a user types: fresh processes, so no run inherits another's memory or
+caches. Two kinds of run:
+
+- **timing** runs: one short epoch (``warmup + steps`` optimizer steps, no validation, no
+  checkpoint) with :class:`callbacks.BenchmarkMonitor`, whose ``benchmark.json`` keeps every
+  rank's raw step times;
+- **accuracy** runs: the full schedule, then the final checkpoint is tested by ONE process in
+  this process (the same yardstick for every strategy: no sampler padding, no strategy-specific
+  evaluation path).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -16,64 +22,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CompareConfig", "LOCAL_BN", "RunSpec", "STRATEGIES", "execute"]
+__all__ = ["CompareConfig", "VARIANTS", "Variant", "accuracy_run", "timing_run"]
 
-STRATEGIES = ("custom_ddp", "ddp")
-# custom_ddp with local BatchNorm: on CPU, where ddp cannot sync BatchNorm, the like-for-like
-# anchor that separates the gradient-sync engine from the cost of synchronising BN statistics.
-LOCAL_BN = "custom_ddp_localbn"
 _CHECKPOINT = "last.ckpt"
+_CUSTOM = "strategies.custom_ddp.CustomDDPStrategy"
+_DDP = "lightning.pytorch.strategies.DDPStrategy"
 
 
 @dataclass(frozen=True)
-class CompareConfig:
-    """Everything both strategies share; validated by :mod:`benchmarks.compare`'s parser."""
+class Variant:
+    """One compared configuration: a label, what it is, and its ``train.py`` strategy flags."""
 
-    out: str
-    base_config: str
-    devices: int
-    accelerator: str
-    accumulate: int
-    sweep: tuple[int, ...]
-    epochs: int
-    sweep_epochs: int
-    net: str
-    dataset: str
-    precision: str
-    seed: int
-    batch_size: int
-    val_size: int | float
-    synthetic_train_size: int
-    synthetic_test_size: int
-    warmup_steps: int
-    bucket_cap_mb: float
-    ddp_gradient_as_bucket_view: bool
-    ddp_forward_sync_buffers: bool
-    run_timeout_s: float
-    extra: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.accelerator in ("gpu", "cuda")
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.on_gpu else "gloo"
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run: a strategy at one accumulation setting."""
-
-    strategy: str
-    accumulate: int
-    epochs: int
-    test: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.strategy}_acc{self.accumulate}"
+    label: str
+    description: str
+    flags: tuple[str, ...]
+    processes: int = 2
 
 
 def _flag(name: str, value: object) -> str:
@@ -81,63 +46,60 @@ def _flag(name: str, value: object) -> str:
     return f"--{name}={text}"
 
 
-def _strategy_flags(cfg: CompareConfig, strategy: str) -> list[str]:
-    """Both strategies' communication settings, spelled out so the record shows them."""
-    if strategy in ("custom_ddp", LOCAL_BN):
-        return [_flag("trainer.strategy", "strategies.custom_ddp.CustomDDPStrategy"),
-                _flag("trainer.strategy.process_group_backend", cfg.backend),
-                _flag("trainer.strategy.sync_batchnorm", strategy == "custom_ddp"),
-                _flag("trainer.strategy.sync_mode", "bucketed"),
-                _flag("trainer.strategy.bucket_cap_mb", cfg.bucket_cap_mb)]
-    # nn.SyncBatchNorm is CUDA-only: on CPU Lightning's ddp must run with local BatchNorm.
-    return [_flag("trainer.strategy", "lightning.pytorch.strategies.DDPStrategy"),
-            _flag("trainer.strategy.process_group_backend", cfg.backend),
-            _flag("trainer.strategy.bucket_cap_mb", cfg.bucket_cap_mb),
-            _flag("trainer.strategy.gradient_as_bucket_view", cfg.ddp_gradient_as_bucket_view),
-            _flag("trainer.strategy.forward_sync_buffers", cfg.ddp_forward_sync_buffers),
-            _flag("trainer.sync_batchnorm", cfg.on_gpu)]
+def _custom(sync_batchnorm: bool) -> tuple[str, ...]:
+    return (_flag("trainer.strategy", _CUSTOM), _flag("trainer.strategy.sync_batchnorm", sync_batchnorm),
+            _flag("trainer.strategy.sync_mode", "bucketed"))
 
 
-def _logger_flags(tb_root: Path, run: str, version: str) -> list[str]:
-    return [_flag("trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"),
-            _flag("trainer.logger.save_dir", tb_root), _flag("trainer.logger.name", run),
-            _flag("trainer.logger.version", version),
-            _flag("trainer.logger.default_hp_metric", False)]
+def _ddp(gradient_as_bucket_view: bool, broadcast_buffers: bool) -> tuple[str, ...]:
+    return (_flag("trainer.strategy", _DDP),
+            _flag("trainer.strategy.gradient_as_bucket_view", gradient_as_bucket_view),
+            _flag("trainer.strategy.broadcast_buffers", broadcast_buffers))
+
+
+# On CPU torch.nn.SyncBatchNorm cannot run, so every ddp variant keeps LOCAL BatchNorm there; the
+# like-for-like anchor of the gradient sync is custom_ddp with local BatchNorm vs ddp_tuned.
+VARIANTS: dict[str, Variant] = {
+    "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm + bucketed accumulation-aware "
+                          "gradient sync (25 MiB buckets), no buffer broadcast", _custom(True)),
+    "custom_ddp_localbn": Variant("custom_ddp (local BN)", "custom_ddp with sync_batchnorm=false: local "
+                                  "BatchNorm like ddp on CPU", _custom(False)),
+    "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: torch DDP, 25 MiB buckets, "
+                           "gradient_as_bucket_view=False, broadcast_buffers=True (rank 0's BN buffers "
+                           "broadcast every forward)", _ddp(False, True)),
+    "ddp_tuned": Variant("ddp tuned (local BN)", "torch DDP with gradient_as_bucket_view=True (no second "
+                         "gradient copy) and broadcast_buffers=False (like custom_ddp)", _ddp(True, False)),
+    "single": Variant("1 process", "one process, same per-process batch: no communication at all",
+                      (_flag("trainer.strategy", "auto"),), processes=1),
+}
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What every run shares; validated by :mod:`benchmarks.compare`'s parser."""
+
+    out: str
+    base_config: str
+    net: str
+    accumulates: tuple[int, ...]
+    rounds: int
+    steps: int
+    warmup_steps: int
+    accuracy_epochs: int
+    batch_size: int
+    synthetic_train_size: int
+    synthetic_test_size: int
+    seed: int
+    run_timeout_s: float
+    extra: tuple[str, ...] = field(default_factory=tuple)
 
 
 def _shared_flags(cfg: CompareConfig) -> list[str]:
-    return [_flag("config", cfg.base_config), _flag("seed_everything", cfg.seed),
-            _flag("model.net", cfg.net), _flag("data.dataset", cfg.dataset),
-            _flag("data.batch_size", cfg.batch_size), _flag("data.val_size", cfg.val_size),
-            _flag("data.synthetic_train_size", cfg.synthetic_train_size),
-            _flag("data.synthetic_test_size", cfg.synthetic_test_size),
-            _flag("trainer.accelerator", cfg.accelerator), _flag("trainer.precision", cfg.precision),
-            _flag("trainer.enable_progress_bar", False)]
-
-
-def fit_command(cfg: CompareConfig, spec: RunSpec, tb_root: Path) -> list[str]:
-    return [sys.executable, "train.py", "fit", *_shared_flags(cfg),
-            _flag("trainer.devices", cfg.devices), _flag("trainer.max_epochs", spec.epochs),
-            _flag("trainer.accumulate_grad_batches", spec.accumulate),
-            *_strategy_flags(cfg, spec.strategy), *_logger_flags(tb_root, spec.name, "fit"),
-            "--trainer.callbacks+=callbacks.BenchmarkMonitor",
-            _flag("trainer.callbacks.warmup_steps", cfg.warmup_steps), *cfg.extra]
-
-
-def evaluate(tb_root: Path, spec: RunSpec) -> None:
-    """Test the run's final checkpoint on one CPU/GPU device; scalars go to ``<run>/test``."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from lit_cifar.data import CIFAR100DataModule
-    from lit_cifar.module import LitClassifier
-
-    checkpoint = tb_root / spec.name / "fit" / "checkpoints" / _CHECKPOINT
-    logger = TensorBoardLogger(tb_root, name=spec.name, version="test", default_hp_metric=False)
-    trainer = Trainer(accelerator="auto", devices=1, logger=logger, enable_progress_bar=False,
-                      enable_model_summary=False)
-    trainer.test(LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu"),
-                 datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint), verbose=False)
+    return [_flag("config", cfg.base_config), _flag("seed_everything", cfg.seed), _flag("model.net", cfg.net),
+            _flag("data.dataset", "synthetic"), _flag("data.batch_size", cfg.batch_size),
+            _flag("data.val_size", 0.1), _flag("data.synthetic_train_size", cfg.synthetic_train_size),
+            _flag("data.synthetic_test_size", cfg.synthetic_test_size), _flag("trainer.accelerator", "cpu"),
+            _flag("trainer.enable_progress_bar", False), _flag("trainer.enable_model_summary", False)]
 
 
 def _call(command: list[str], log: Path, timeout_s: float) -> float:
@@ -148,7 +110,7 @@ def _call(command: list[str], log: Path, timeout_s: float) -> float:
         out.write("$ " + shlex.join(command) + "\n")
         out.flush()
         try:
-            code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+            code: object = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = "timeout"
     if code != 0:
@@ -157,17 +119,55 @@ def _call(command: list[str], log: Path, timeout_s: float) -> float:
     return time.perf_counter() - start
 
 
-def execute(cfg: CompareConfig, spec: RunSpec, tb_root: Path, logs: Path) -> dict[str, object]:
-    """Fit (and test) one run; checkpoints are deleted afterwards (results keep only logs)."""
-    shutil.rmtree(tb_root / spec.name, ignore_errors=True)  # never mix with an older run
-    record: dict[str, object] = {"name": spec.name, "strategy": spec.strategy,
-                                 "accumulate": spec.accumulate, "epochs": spec.epochs}
-    fit = fit_command(cfg, spec, tb_root)
-    record["fit_command"] = shlex.join(fit[1:])
-    record["fit_wall_s"] = _call(fit, logs / f"{spec.name}_fit.txt", cfg.run_timeout_s)
-    if spec.test:
-        start = time.perf_counter()
-        evaluate(tb_root, spec)
-        record["test_wall_s"] = time.perf_counter() - start
-    shutil.rmtree(tb_root / spec.name / "fit" / "checkpoints", ignore_errors=True)
-    return record
+def timing_run(cfg: CompareConfig, variant: str, accumulate: int, work: Path, logs: Path,
+               extra_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One short timed fit; returns its ``benchmark.json`` (raw step times included) and command."""
+    name = f"{variant}_acc{accumulate}"
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    v = VARIANTS[variant]
+    command = [sys.executable, "train.py", "fit", *_shared_flags(cfg), *v.flags,
+               _flag("trainer.devices", v.processes), _flag("trainer.accumulate_grad_batches", accumulate),
+               _flag("trainer.max_epochs", 1), _flag("trainer.limit_train_batches",
+                                                     accumulate * (cfg.steps + cfg.warmup_steps)),
+               _flag("trainer.limit_val_batches", 0), _flag("trainer.num_sanity_val_steps", 0),
+               _flag("trainer.enable_checkpointing", False), _flag("trainer.logger", False),
+               # Replaces the base config's callbacks (a checkpoint and an LR monitor need what is off here).
+               _flag("trainer.default_root_dir", run_dir), "--trainer.callbacks=callbacks.BenchmarkMonitor",
+               _flag("trainer.callbacks.warmup_steps", cfg.warmup_steps), *extra_flags, *cfg.extra]
+    wall_s = _call(command, logs / f"{name}.txt", cfg.run_timeout_s)
+    report = json.loads((run_dir / "benchmark.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": shlex.join(command[1:]), "wall_s": wall_s, "benchmark": report}
+
+
+def accuracy_run(cfg: CompareConfig, variant: str, accumulate: int, tb_root: Path, logs: Path) -> dict[str, Any]:
+    """The full schedule with TensorBoard logs under ``tb_root/<variant>``; then one-process test."""
+    shutil.rmtree(tb_root / variant, ignore_errors=True)
+    v = VARIANTS[variant]
+    command = [sys.executable, "train.py", "fit", *_shared_flags(cfg), *v.flags,
+               _flag("trainer.devices", v.processes), _flag("trainer.accumulate_grad_batches", accumulate),
+               _flag("trainer.max_epochs", cfg.accuracy_epochs),
+               _flag("trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"),
+               _flag("trainer.logger.save_dir", tb_root), _flag("trainer.logger.name", variant),
+               _flag("trainer.logger.version", "fit"), *cfg.extra]
+    wall_s = _call(command, logs / f"{variant}_accuracy.txt", cfg.run_timeout_s)
+    _test_checkpoint(tb_root, variant)
+    shutil.rmtree(tb_root / variant / "fit" / "checkpoints", ignore_errors=True)
+    return {"command": shlex.join(command[1:]), "wall_s": wall_s}
+
+
+def _test_checkpoint(tb_root: Path, variant: str) -> None:
+    """Test the run's final checkpoint on one device; scalars go to ``<variant>/test``."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_cifar.data import CIFAR100DataModule
+    from lit_cifar.module import LitClassifier
+
+    checkpoint = tb_root / variant / "fit" / "checkpoints" / _CHECKPOINT
+    logger = TensorBoardLogger(tb_root, name=variant, version="test")
+    trainer = Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.test(LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu"),
+                 datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint), verbose=False)

@@ -30,7 +30,7 @@ import numpy as np
 from callbacks.run_info import environment, to_jsonable
 
 __all__ = [
-    "SCHEMA", "Estimate", "Quietness", "fmt_estimate", "interleave", "make_record", "markdown_header",
+    "SCHEMA", "Estimate", "Quietness", "difference_ci", "fmt_estimate", "interleave", "make_record", "markdown_header",
     "median_ci", "plot_style", "ratio_ci", "table", "wait_for_quiet", "write_record",
 ]
 
@@ -38,33 +38,74 @@ SCHEMA = "lit_cifar.bench/v2"
 _T = TypeVar("_T")
 
 
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (``/proc/stat``), or ``None`` off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished (waited-for) children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @dataclass
 class Quietness:
-    """The machine's 1-minute load around a measurement, and whether the result is comparable."""
+    """How busy the machine was around a measurement, and whether the result is comparable.
+
+    The 1-minute load before the run must be at most ``threshold``; during the run, other
+    processes (busy CPU time of the machine minus this process tree's own) may use at most
+    ``max_foreign_share`` of the machine. The load after the run is recorded but not judged:
+    the benchmark's own processes raise it.
+    """
 
     threshold: float
     waited_s: float
     load_before: float
+    max_foreign_share: float = 0.10
     load_after: float | None = None
+    foreign_share: float | None = None
+    _start: tuple[float, float | None, float] | None = None
 
     @property
     def comparable(self) -> bool:
-        loads = [self.load_before] + ([] if self.load_after is None else [self.load_after])
-        return all(load <= self.threshold for load in loads)
+        foreign_ok = self.foreign_share is None or self.foreign_share <= self.max_foreign_share
+        return self.load_before <= self.threshold and foreign_ok
+
+    def begin(self) -> "Quietness":
+        """Start accounting the CPU time of other processes; returns self."""
+        self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
+        return self
 
     def finish(self) -> "Quietness":
-        """Record the load after the measurement; returns self."""
+        """Record the load after the run and the share of the machine other processes used."""
         self.load_after = os.getloadavg()[0]
+        if self._start is not None and self._start[1] is not None:
+            wall, busy, own = time.monotonic() - self._start[0], _busy_cpu_seconds(), _own_cpu_seconds()
+            foreign = (busy or 0.0) - self._start[1] - (own - self._start[2])
+            self.foreign_share = max(0.0, foreign) / (wall * (os.cpu_count() or 1))
         return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "waited_s": self.waited_s, "load_before": self.load_before,
+                "load_after": self.load_after, "foreign_share": self.foreign_share,
+                "max_foreign_share": self.max_foreign_share, "comparable": self.comparable}
 
 
 def wait_for_quiet(threshold: float | None = None, max_wait_s: float = 300.0, poll_s: float = 5.0) -> Quietness:
-    """Wait until the 1-minute load is at most ``threshold`` (default: a quarter of the cores), up to ``max_wait_s``."""
+    """Wait until the 1-minute load is at most ``threshold`` (default: a quarter of the cores), up to
+    ``max_wait_s``; then start accounting other processes' CPU time (see :class:`Quietness`)."""
     threshold = (os.cpu_count() or 1) / 4 if threshold is None else threshold
     start = time.monotonic()
     while os.getloadavg()[0] > threshold and time.monotonic() - start < max_wait_s:
         time.sleep(poll_s)
-    return Quietness(threshold, time.monotonic() - start, os.getloadavg()[0])
+    return Quietness(threshold, time.monotonic() - start, os.getloadavg()[0]).begin()
 
 
 def interleave(names: Sequence[str], rounds: int, run: Callable[[str, int], _T]) -> dict[str, list[_T]]:
@@ -106,15 +147,28 @@ def median_ci(samples: Sequence[float], resamples: int = 2000, seed: int = 0) ->
     return Estimate(float(np.median(values)), float(low), float(high), int(values.size))
 
 
+def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], float], first: Sequence[float],
+                   second: Sequence[float], resamples: int, seed: int) -> Estimate:
+    a, b = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+    if a.size == 0 or b.size == 0:
+        raise ValueError(f"{name} needs samples on both sides, got {a.size} and {b.size}")
+    draws = _bootstrap(statistic, [a, b], resamples, seed)
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return Estimate(float(statistic(a, b)), float(low), float(high), int(min(a.size, b.size)))
+
+
 def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], resamples: int = 2000,
              seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` with a percentile-bootstrap 95 % interval."""
-    a, b = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
-    if a.size == 0 or b.size == 0:
-        raise ValueError(f"ratio_ci needs samples on both sides, got {a.size} and {b.size}")
-    draws = _bootstrap(lambda x, y: np.median(x) / np.median(y), [a, b], resamples, seed)
-    low, high = np.percentile(draws, [2.5, 97.5])
-    return Estimate(float(np.median(a) / np.median(b)), float(low), float(high), int(min(a.size, b.size)))
+    return _two_sample_ci("ratio_ci", lambda x, y: np.median(x) / np.median(y), numerator, denominator,
+                          resamples, seed)
+
+
+def difference_ci(minuend: Sequence[float], subtrahend: Sequence[float], resamples: int = 2000,
+                  seed: int = 0) -> Estimate:
+    """``median(minuend) - median(subtrahend)`` with a percentile-bootstrap 95 % interval."""
+    return _two_sample_ci("difference_ci", lambda x, y: np.median(x) - np.median(y), minuend, subtrahend,
+                          resamples, seed)
 
 
 def fmt_estimate(estimate: Estimate | dict[str, Any], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
@@ -132,7 +186,7 @@ def make_record(benchmark: str, config: dict[str, Any], quiet: Quietness, **sect
         "command": "python -m benchmarks." + benchmark + " " + shlex.join(sys.argv[1:]),
         "config": config,
         "environment": environment(),
-        "quietness": {**asdict(quiet), "comparable": quiet.comparable},
+        "quietness": quiet.as_dict(),
         **sections,
     }
 
@@ -142,16 +196,22 @@ def markdown_header(record: dict[str, Any], title: str) -> list[str]:
     env, quiet = record["environment"], record["quietness"]
     lines = [f"# {title}", ""]
     if not quiet["comparable"]:
-        lines += [f"**NOT COMPARABLE: the machine was busy (1-min load {quiet['load_before']:.2f} before, "
-                  f"{quiet['load_after']:.2f} after; threshold {quiet['threshold']:.2f}). Do not quote these "
-                  "numbers as ratios; re-run on a quiet machine.**", ""]
+        lines += [f"**NOT COMPARABLE: the machine was busy (1-min load {quiet['load_before']:.2f} before the run, "
+                  f"threshold {quiet['threshold']:.2f}; other processes used {_pct(quiet['foreign_share'])} of the "
+                  f"machine during it, limit {_pct(quiet['max_foreign_share'])}). Do not quote these numbers as "
+                  "ratios; re-run on a quiet machine.**", ""]
     gpus = ", ".join(env["gpus"]) or "none"
     lines += [f"Command: `{record['command'].strip()}`", "",
               f"Machine: {env['cpu']} ({env['cpu_count']} cores), GPUs: {gpus}; torch {env['versions']['torch']}, "
-              f"lightning {env['versions']['lightning']}; 1-min load {quiet['load_before']:.2f} before, "
-              f"{quiet['load_after']:.2f} after (waited {quiet['waited_s']:.0f} s for a quiet machine).",
+              f"lightning {env['versions']['lightning']}; 1-min load {quiet['load_before']:.2f} before (waited "
+              f"{quiet['waited_s']:.0f} s for a quiet machine); other processes used {_pct(quiet['foreign_share'])} "
+              "of the machine during the run.",
               "Intervals are bootstrap 95 % confidence intervals of the median (or of the ratio of medians).", ""]
     return lines
+
+
+def _pct(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.1f} %"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

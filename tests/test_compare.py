@@ -1,81 +1,81 @@
-"""``python -m benchmarks.compare``: a tiny end-to-end comparison and its argument checks.
-
-Both tests run the real entry point in a subprocess from the repository root, as CI and users do.
-"""
+"""``python -m benchmarks.compare``: its analysis on known samples, its argument checks, a tiny end-to-end run."""
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.compare_report import analyse, headline, render_markdown, step_samples
+from benchmarks.harness import Quietness, make_record
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# One epoch, no accumulation sweep: two 2-process fits and two one-process tests (the sweep
-# runs are the same fits at other settings; keeping them out halves the test's time).
-SMOKE = ["--epochs", "1", "--sweep", "--synthetic-train-size", "320", "--synthetic-test-size", "64",
-         "--warmup-steps", "1"]
 
 
-def _compare(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.compare", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def _run(per_rank: list[list[float]]) -> dict:
+    return {"benchmark": {"step_s_per_rank": per_rank}}
 
 
-@pytest.mark.distributed
-def test_compare_end_to_end_on_tiny_synthetic_data(tmp_path):
-    out = tmp_path / "compare"
-    proc = _compare("--out", str(out), *SMOKE)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def _timing(scale: dict[str, float]) -> dict:
+    """Two rounds per variant; rank 1 is slower on every step, so it sets the step time."""
+    base = [0.100, 0.102, 0.098, 0.101]
+    return {"2": {v: [_run([[t * s for t in base], [t * s * 1.1 for t in base]]) for _ in range(2)]
+                  for v, s in scale.items()}}
 
-    for name in ("report.md", "compare.json", "curves.png", "time_memory.png"):
-        assert (out / name).stat().st_size > 0, name
-    result = json.loads((out / "compare.json").read_text())
-    # On CPU a third run, custom_ddp with local BatchNorm, is the like-for-like anchor for ddp.
-    assert set(result["runs"]) == {"custom_ddp_acc2", "ddp_acc2", "custom_ddp_localbn_acc2"}
-    assert result["runs"]["custom_ddp_localbn_acc2"]["recorded"]["strategy"]["sync_batchnorm"] is False
-    assert result["local_bn"]["step_s"] > 0
 
-    # Both runs' TensorBoard logs under one root; the main runs also have their test scalars.
-    for run in ("custom_ddp_acc2", "ddp_acc2"):
-        assert (out / "tb" / run / "fit" / "benchmark.json").is_file()
-        assert list((out / "tb" / run / "test").glob("events.out.tfevents.*"))
-        assert not (out / "tb" / run / "fit" / "checkpoints").exists()
+def test_a_step_is_as_slow_as_its_slowest_rank():
+    assert step_samples([_run([[1.0, 3.0], [2.0, 1.0]]), _run([[5.0], [4.0]])]) == [2.0, 3.0, 5.0]
 
-    # What each run recorded about itself: the strategies and their communication options.
-    custom = result["runs"]["custom_ddp_acc2"]["recorded"]
-    ddp = result["runs"]["ddp_acc2"]["recorded"]
-    assert custom["strategy"]["class"].endswith("CustomDDPStrategy") and custom["strategy"]["sync_batchnorm"]
-    assert ddp["strategy"]["gradient_as_bucket_view"] is True and ddp["strategy"]["bucket_cap_mb"] == 25.0
-    assert ddp["strategy"]["layer_sync"] is None  # CPU: local BatchNorm, as the report states
-    assert custom["world_size"] == ddp["world_size"] == 2 and custom["dataset"] == "synthetic"
-    assert ddp["accumulate_grad_batches"] == custom["accumulate_grad_batches"] == 2
 
-    main = result["main"]
-    for headline in main.values():
-        assert headline["step_s"] > 0 and headline["peak_memory_mb"] > 0
-        assert 0 <= headline["test_acc1"] <= 100 and headline["test_loss"] > 0
-    step, memory, accuracy = result["targets"]
-    assert step["measured"] == pytest.approx(main["custom_ddp"]["step_s"] / main["ddp"]["step_s"])
-    assert memory["measured"] == pytest.approx(
-        main["custom_ddp"]["peak_memory_mb"] / main["ddp"]["peak_memory_mb"])
-    assert accuracy["measured"] == pytest.approx(
-        abs(main["custom_ddp"]["test_acc1"] - main["ddp"]["test_acc1"]))
-    for target in result["targets"]:
-        assert target["met"] == (target["measured"] <= target["limit"])
-        missed_by = 0.0 if target["met"] else target["measured"] - target["limit"]
-        assert math.isclose(target["missed_by"], missed_by)
+def test_analysis_anchors_ratios_exposed_comm_and_efficiency():
+    scale = {"custom_ddp": 1.5, "custom_ddp_localbn": 1.2, "ddp_default": 1.25, "ddp_tuned": 1.2, "single": 1.0}
+    analysis = analyse(_timing(scale))["2"]
+    assert analysis["ratios"]["custom_ddp/ddp_tuned"]["value"] == pytest.approx(1.25)
+    assert analysis["ratios"]["custom_ddp/ddp_default"]["value"] == pytest.approx(1.2)
+    assert analysis["ratios"]["custom_ddp_localbn/ddp_tuned"]["value"] == pytest.approx(1.0)
+    for estimate in analysis["ratios"].values():
+        assert estimate["low"] <= estimate["value"] <= estimate["high"] and estimate["n"] == 8
+    single = analysis["step_s"]["single"]["value"]
+    assert analysis["exposed_comm_s"]["custom_ddp"]["value"] == pytest.approx(0.5 * single)
+    assert analysis["scaling_efficiency"]["custom_ddp"]["value"] == pytest.approx(1 / 1.5)
 
-    report = (out / "report.md").read_text()
-    for text in ("## Infrastructure", "python -m benchmarks.compare --out", "LOCAL BatchNorm",
-                 "| optimizer step time (median)", "## Targets", "tensorboard --logdir",
-                 "## Like-for-like on CPU: both with local BatchNorm"):
+    accuracy = {"custom_ddp": {"accumulate": 2, "test_acc1": 80.0, "test_loss": 0.7},
+                "ddp_default": {"accumulate": 2, "test_acc1": 79.5, "test_loss": 0.71}}
+    quiet = Quietness(threshold=0.5, waited_s=0.0, load_before=0.1, foreign_share=0.01)
+    top = headline({"2": analysis}, accuracy)
+    assert top["step_ratio_custom_ddp_vs_ddp_tuned_acc2"]["value"] == pytest.approx(1.25)
+    assert top["test_acc1_custom_ddp"] == 80.0
+    config = {"net": "template", "rounds": 2, "warmup_steps": 3, "steps": 4, "batch_size": 32,
+              "accuracy_epochs": 6, "out": "x"}
+    record = make_record("compare", config, quiet, analysis={"2": analysis}, accuracy=accuracy)
+    report = render_markdown(record)
+    for text in ("SYNTHETIC", "LOCAL BatchNorm", "custom_ddp/ddp_tuned", "ddp default (local BN)", "1 process"):
         assert text in report, text
+    assert "NOT COMPARABLE" not in report
 
 
-def test_compare_rejects_a_single_process(tmp_path):
-    proc = _compare("--out", str(tmp_path), "--devices", "1", timeout=120)
-    assert proc.returncode == 2 and "--devices must be >= 2" in proc.stderr
+def test_compare_rejects_bad_arguments(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--out", str(tmp_path), "--warmup-steps",
+                           "-1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--warmup-steps must be >= 0" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compare_end_to_end_quick(tmp_path):
+    out = tmp_path / "compare"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--out", str(out), "--quick",
+                           "--max-wait-s", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    record = json.loads((out / "results.json").read_text())
+    assert record["schema"] == "lit_cifar.bench/v2" and "comparable" in record["quietness"]
+    runs = record["runs"]["2"]
+    assert set(runs) == {"custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned", "single"}
+    assert runs["custom_ddp"][0]["recorded"]["strategy"]["sync_batchnorm"] is True
+    assert runs["ddp_tuned"][0]["recorded"]["strategy"]["gradient_as_bucket_view"] is True
+    assert runs["single"][0]["recorded"]["world_size"] == 1
+    for name in ("results.md", "step_time.png", "curves.png"):
+        assert (out / name).stat().st_size > 0, name
