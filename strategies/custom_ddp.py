@@ -106,6 +106,12 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
+def _is_mean_op(reduce_op: Any) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op == torch.distributed.ReduceOp.AVG
+
+
 class CustomDDPStrategy(DDPStrategy):
     """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
 
@@ -160,6 +166,7 @@ class CustomDDPStrategy(DDPStrategy):
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
         self._evaluation = ScatteredEvaluation()
+        self._in_scattered_step = False  # inside a validation/test step of scattered evaluation
 
     @property
     def sync_batchnorm(self) -> bool:
@@ -263,6 +270,23 @@ class CustomDDPStrategy(DDPStrategy):
         if isinstance(self.model, SyncedDataParallel):
             self.model.finish()
 
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._in_scattered_step:
+            # ``self.log(..., on_step=True, sync_dist=True)`` syncs inside the step, but ranks run
+            # different numbers of evaluation steps: a per-step collective would pair with another
+            # rank's epoch-end one and break the run. A step value stays this rank's own; the
+            # epoch value is reduced after the steps, on every rank, as usual.
+            return tensor
+        # Lightning averages an integer tensor in its own dtype, truncating: ``self.log(...,
+        # sync_dist=True)`` divides the synced value sum by the synced (int) ``cumulated_batch_size``,
+        # so 6 + 5 samples on 2 ranks give a mean count of 5, not 5.5, and a 10% wrong epoch value.
+        # ddp's equal padded shards never show it; uneven evaluation shards do. Average as floats.
+        if (isinstance(tensor, torch.Tensor) and _is_mean_op(reduce_op)
+                and not (tensor.is_floating_point() or tensor.is_complex())):
+            tensor = tensor.to(torch.get_default_dtype())
+        return super().reduce(tensor, group, reduce_op)
+
     # ----------------------------------------------------------------- scatter evaluation
 
     def _scatters_now(self) -> bool:
@@ -288,6 +312,13 @@ class CustomDDPStrategy(DDPStrategy):
         device = self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
         return self._evaluation.loader(dataloader, self.lightning_module.trainer, device=device)
 
+    def _scattered_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        self._in_scattered_step = self._scatters_now()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._in_scattered_step = False
+
     def _begin_eval(self) -> None:
         if self._scatters_now():
             self._evaluation.begin(self.lightning_module.trainer, self.lightning_module)
@@ -302,13 +333,13 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
+        output = self._scattered_step(super().validation_step, *args, **kwargs)
         self._evaluation.after_step()
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
+        output = self._scattered_step(super().test_step, *args, **kwargs)
         self._evaluation.after_step()
         return output
 
