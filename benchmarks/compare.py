@@ -32,15 +32,16 @@ from typing import Any, Sequence
 
 from benchmarks.compare_plots import plot_curves, plot_step_time
 from benchmarks.compare_report import analyse, headline, read_scalars, render_markdown
-from benchmarks.compare_runs import VARIANTS, CompareConfig, accuracy_run, timing_run
+from benchmarks.compare_runs import VARIANTS, CompareConfig, accuracy_run, collectives_run, timing_run
 from benchmarks.harness import interleave, make_record, wait_for_quiet, write_record
 
 __all__ = ["main", "parse_config"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ACCURACY_VARIANTS = ("custom_ddp", "ddp_default")
+COUNTED_VARIANTS = ("custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned")
 _QUICK = {"accumulates": (2,), "rounds": 1, "steps": 3, "warmup_steps": 1, "accuracy_epochs": 1,
-          "synthetic_train_size": 640, "synthetic_test_size": 64}
+          "synthetic_train_size": 640, "synthetic_test_size": 64, "count_nets": ("template",)}
 
 
 def _positive(text: str) -> int:
@@ -66,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout-s", type=float, default=1800.0)
     p.add_argument("--max-wait-s", type=float, default=300.0, help="wait this long for a quiet machine")
+    p.add_argument("--count-nets", nargs="*", default=["template", "resnet18"],
+                   help="nets whose collectives per optimizer step are counted (at the largest --accumulate)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny data, one round, accumulate 2")
     p.add_argument("--extra", action="append", default=[], metavar="FLAG",
                    help="train.py flag for every run, e.g. --extra=--model.lr=0.02 (repeatable)")
@@ -86,6 +89,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[CompareConfig, floa
     out = Path(args["out"]).resolve()  # relative to the repository root, where the runs start
     args["out"] = str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out)
     args["accumulates"], args["extra"] = tuple(sorted(set(args["accumulates"]))), tuple(args["extra"])
+    args["count_nets"] = tuple(args["count_nets"])
     return CompareConfig(**args), max_wait_s
 
 
@@ -109,6 +113,13 @@ def _accuracy(cfg: CompareConfig, out: Path, accumulate: int) -> tuple[dict[str,
     return numbers, curves
 
 
+def _collectives(cfg: CompareConfig, out: Path) -> dict[str, Any]:
+    accumulate = max(cfg.accumulates)
+    return {"accumulate": accumulate,
+            "nets": {net: {variant: collectives_run(cfg, net, variant, accumulate, out / "work", out / "logs")
+                           for variant in COUNTED_VARIANTS} for net in cfg.count_nets}}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the comparison and write its record and report; returns the record."""
     cfg, max_wait_s = parse_config(argv)
@@ -117,9 +128,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     quiet = wait_for_quiet(max_wait_s=max_wait_s)
     timing = _timing(cfg, out)
     accuracy, curves = _accuracy(cfg, out, accumulate=2 if 2 in cfg.accumulates else cfg.accumulates[0])
+    collectives = _collectives(cfg, out)
     analysis = analyse(timing)
     record = make_record("compare", asdict(cfg), quiet.finish(), headline=headline(analysis, accuracy),
-                         analysis=analysis, accuracy=accuracy,
+                         analysis=analysis, accuracy=accuracy, collectives=collectives,
                          variants={k: asdict(v) for k, v in VARIANTS.items()},
                          runs={acc: {v: [{"command": r["command"], "wall_s": r["wall_s"],
                                           "recorded": r["benchmark"]["run"]} for r in runs]

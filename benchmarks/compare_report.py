@@ -122,5 +122,28 @@ def render_markdown(record: dict[str, Any]) -> str:
               "![step time](step_time.png)", "", "![curves](curves.png)", "",
               f"TensorBoard, the accuracy runs side by side: `tensorboard --logdir {cfg['out']}/tb`", ""]
     if record.get("collectives"):
-        lines += ["## Collectives per optimizer step, by source", "", *record["collectives"]["markdown"], ""]
+        lines += _collective_tables(record["collectives"])
     return "\n".join(lines) + "\n"
+
+
+def _collective_tables(collectives: dict[str, Any]) -> list[str]:
+    """Count and bytes per optimizer step by source, per net: exact, whatever the machine."""
+    lines = [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
+             "Counted by the profiler on rank 0 (`callbacks.collective_count`), the last of 3 steps; bytes are "
+             "this rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every "
+             "strategy.", ""]
+    for net, by_variant in collectives["nets"].items():
+        sources = sorted({s for run in by_variant.values() for s in run["counts"]})
+        rows = [[source, *(f"{run['counts'].get(source, 0)} / {_bytes(run['bytes'].get(source, 0))}"
+                           for run in by_variant.values())] for source in sources]
+        rows.append(["**total**", *(f"{sum(run['counts'].values())} / {_bytes(sum(run['bytes'].values()))}"
+                                    for run in by_variant.values())])
+        lines += [f"### {net}", "", *table(["source", *(VARIANTS[v].label for v in by_variant)], rows), ""]
+    return lines
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

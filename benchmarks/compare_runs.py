@@ -20,11 +20,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CompareConfig", "VARIANTS", "Variant", "accuracy_run", "timing_run"]
+__all__ = ["CompareConfig", "VARIANTS", "Variant", "accuracy_run", "collectives_run", "timing_run"]
 
 _CHECKPOINT = "last.ckpt"
 _CUSTOM = "strategies.custom_ddp.CustomDDPStrategy"
@@ -86,6 +87,7 @@ class CompareConfig:
     steps: int
     warmup_steps: int
     accuracy_epochs: int
+    count_nets: tuple[str, ...]
     batch_size: int
     synthetic_train_size: int
     synthetic_test_size: int
@@ -95,7 +97,7 @@ class CompareConfig:
 
 
 def _shared_flags(cfg: CompareConfig) -> list[str]:
-    return [_flag("config", cfg.base_config), _flag("seed_everything", cfg.seed), _flag("model.net", cfg.net),
+    return [_flag("config", cfg.base_config), _flag("seed_everything", cfg.seed),
             _flag("data.dataset", "synthetic"), _flag("data.batch_size", cfg.batch_size),
             _flag("data.val_size", 0.1), _flag("data.synthetic_train_size", cfg.synthetic_train_size),
             _flag("data.synthetic_test_size", cfg.synthetic_test_size), _flag("trainer.accelerator", "cpu"),
@@ -119,33 +121,63 @@ def _call(command: list[str], log: Path, timeout_s: float) -> float:
     return time.perf_counter() - start
 
 
-def timing_run(cfg: CompareConfig, variant: str, accumulate: int, work: Path, logs: Path,
-               extra_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+def _short_fit(cfg: CompareConfig, variant: str, accumulate: int, run_dir: Path, steps: int,
+               callbacks: list[str], net: str) -> list[str]:
+    """A one-epoch fit of ``steps`` optimizer steps: no validation, checkpoint or logger."""
+    v = VARIANTS[variant]
+    net_flags = [_flag("model.net", net)] + ([] if net == "template" else [_flag("model.net_kwargs", "{}")])
+    return [sys.executable, "train.py", "fit", *_shared_flags(cfg), *net_flags, *v.flags,
+            _flag("trainer.devices", v.processes), _flag("trainer.accumulate_grad_batches", accumulate),
+            _flag("trainer.max_epochs", 1), _flag("trainer.limit_train_batches", accumulate * steps),
+            _flag("trainer.limit_val_batches", 0), _flag("trainer.num_sanity_val_steps", 0),
+            _flag("trainer.enable_checkpointing", False), _flag("trainer.logger", False),
+            # Replaces the base config's callbacks (a checkpoint and an LR monitor need what is off here).
+            _flag("trainer.default_root_dir", run_dir), *callbacks, *cfg.extra]
+
+
+def timing_run(cfg: CompareConfig, variant: str, accumulate: int, work: Path, logs: Path) -> dict[str, Any]:
     """One short timed fit; returns its ``benchmark.json`` (raw step times included) and command."""
     name = f"{variant}_acc{accumulate}"
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    v = VARIANTS[variant]
-    command = [sys.executable, "train.py", "fit", *_shared_flags(cfg), *v.flags,
-               _flag("trainer.devices", v.processes), _flag("trainer.accumulate_grad_batches", accumulate),
-               _flag("trainer.max_epochs", 1), _flag("trainer.limit_train_batches",
-                                                     accumulate * (cfg.steps + cfg.warmup_steps)),
-               _flag("trainer.limit_val_batches", 0), _flag("trainer.num_sanity_val_steps", 0),
-               _flag("trainer.enable_checkpointing", False), _flag("trainer.logger", False),
-               # Replaces the base config's callbacks (a checkpoint and an LR monitor need what is off here).
-               _flag("trainer.default_root_dir", run_dir), "--trainer.callbacks=callbacks.BenchmarkMonitor",
-               _flag("trainer.callbacks.warmup_steps", cfg.warmup_steps), *extra_flags, *cfg.extra]
+    monitor = ["--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps",
+                                                                       cfg.warmup_steps)]
+    command = _short_fit(cfg, variant, accumulate, run_dir, cfg.warmup_steps + cfg.steps, monitor, cfg.net)
     wall_s = _call(command, logs / f"{name}.txt", cfg.run_timeout_s)
     report = json.loads((run_dir / "benchmark.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"command": shlex.join(command[1:]), "wall_s": wall_s, "benchmark": report}
 
 
+def collectives_run(cfg: CompareConfig, net: str, variant: str, accumulate: int, work: Path,
+                    logs: Path) -> dict[str, Any]:
+    """3 optimizer steps under :class:`callbacks.collective_count.CollectiveCounter`; rank 0's last window.
+
+    Returns the collectives and bytes by source of the last optimizer step (its ``accumulate``
+    micro-batches, the loop's SIGTERM broadcasts included): exact, hardware-independent counts.
+    """
+    name = f"{net}_{variant}_acc{accumulate}_collectives"
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    counter = ["--trainer.callbacks=callbacks.collective_count.CollectiveCounter",
+               _flag("trainer.callbacks.out_dir", run_dir)]
+    command = _short_fit(cfg, variant, accumulate, run_dir, 3, counter, net)
+    _call(command, logs / f"{name}.txt", cfg.run_timeout_s)
+    windows = [w for w in json.loads((run_dir / "collectives_rank0.json").read_text()) if w["batch_idx"] is not None]
+    counts: Counter[str] = Counter()
+    payload: Counter[str] = Counter()
+    for window in windows[-accumulate:]:
+        counts.update(window["counts"])
+        payload.update(window["bytes"])
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": shlex.join(command[1:]), "counts": dict(counts), "bytes": dict(payload)}
+
+
 def accuracy_run(cfg: CompareConfig, variant: str, accumulate: int, tb_root: Path, logs: Path) -> dict[str, Any]:
     """The full schedule with TensorBoard logs under ``tb_root/<variant>``; then one-process test."""
     shutil.rmtree(tb_root / variant, ignore_errors=True)
     v = VARIANTS[variant]
-    command = [sys.executable, "train.py", "fit", *_shared_flags(cfg), *v.flags,
+    command = [sys.executable, "train.py", "fit", *_shared_flags(cfg), _flag("model.net", cfg.net), *v.flags,
                _flag("trainer.devices", v.processes), _flag("trainer.accumulate_grad_batches", accumulate),
                _flag("trainer.max_epochs", cfg.accuracy_epochs),
                _flag("trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"),

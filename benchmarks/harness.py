@@ -16,6 +16,7 @@ as a ratio. Statistics use numpy (bootstrap percentile intervals, fixed seed).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shlex
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 SCHEMA = "lit_cifar.bench/v2"
+_PR_SET_CHILD_SUBREAPER = 36  # prctl option (linux/prctl.h)
 _T = TypeVar("_T")
 
 
@@ -53,6 +55,26 @@ def _own_cpu_seconds() -> float:
     """CPU seconds of this process and of its finished (waited-for) children."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of our process tree (Linux): a grandchild whose parent exits first (a
+    popen-launched rank 1 outliving rank 0) is re-parented to us, so its CPU time can be counted."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap_orphans() -> None:
+    """Wait for adopted processes that have exited: their CPU time joins ``os.times().children_*``."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 @dataclass
@@ -80,12 +102,14 @@ class Quietness:
 
     def begin(self) -> "Quietness":
         """Start accounting the CPU time of other processes; returns self."""
+        _adopt_orphans()
         self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
         return self
 
     def finish(self) -> "Quietness":
         """Record the load after the run and the share of the machine other processes used."""
         self.load_after = os.getloadavg()[0]
+        _reap_orphans()
         if self._start is not None and self._start[1] is not None:
             wall, busy, own = time.monotonic() - self._start[0], _busy_cpu_seconds(), _own_cpu_seconds()
             foreign = (busy or 0.0) - self._start[1] - (own - self._start[2])

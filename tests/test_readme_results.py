@@ -1,0 +1,34 @@
+"""README.md's results block is generated from the committed benchmark records and must match them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.readme_results import BEGIN, END, render_block, update_readme
+
+
+def test_readme_numbers_match_the_committed_results():
+    current, fresh = update_readme()
+    assert current == fresh, "README.md is stale: run python -m benchmarks.readme_results --write"
+
+
+def test_block_renders_estimates_and_quietness(tmp_path):
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    record = {"command": "python -m benchmarks.demo", "headline": {"ratio": {"value": 1.025, "low": 0.99, "high": 1.06,
+                                                                           "n": 40}, "count": 3},
+              "quietness": {"comparable": False, "load_before": 1.5, "foreign_share": 0.3}}
+    (folder / "results.json").write_text(json.dumps(record))
+    block = render_block(tmp_path)
+    assert block.startswith(BEGIN) and block.endswith(END)
+    assert "| ratio | 1.02 [0.99, 1.06] |" in block and "| count | 3 |" in block
+    assert "NOT comparable" in block and "30.0 %" in block
+
+
+def test_missing_markers_are_a_clear_error(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no block\n")
+    with pytest.raises(ValueError, match="results:begin"):
+        update_readme(readme, tmp_path)
