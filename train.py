@@ -4,6 +4,9 @@ Every option of the Trainer, the model (``lit_cifar.module.LitClassifier``) and 
 (``lit_cifar.data.CIFAR100DataModule``) is a command-line flag or a YAML key; configs compose left
 to right and flags override them. Runs log to TensorBoard under ``lightning_logs/version_N/``
 (metrics, learning rate, hyperparameters including ``dataset_used``, and the full ``config.yaml``).
+The optimizer and LR schedule are the model's own options (``--model.optimizer``, ``--model.lr``,
+``--model.schedule``, ...); LightningCLI's generic ``--optimizer``/``--lr_scheduler`` are refused
+because they would silently replace its schedule and its no-weight-decay groups.
 
 One process (CPU or one GPU); trains on synthetic data when CIFAR-100 cannot be had offline:
     python train.py fit --config configs/quickstart.yaml
@@ -14,6 +17,12 @@ Two CPU processes with Lightning's DDP (gloo), on one machine:
 The hand-written data-parallel strategy instead of Lightning's (see README, "The custom_ddp strategy"):
     python train.py fit --config configs/quickstart.yaml --config configs/ddp_cpu.yaml --trainer.strategy=custom_ddp
     python train.py fit --config configs/custom_ddp_cpu.yaml   # 2 CPU processes, accumulate 2, every option shown
+Its options follow the registered name (custom_ddp, custom_ddp_fork, custom_ddp_spawn) on the command
+line; in YAML, and anywhere else, use the short class name CustomDDPStrategy as class_path:
+    python train.py fit --config configs/custom_ddp_cpu.yaml --trainer.strategy=custom_ddp \\
+        --trainer.strategy.sync_mode=flat --trainer.strategy.timeout=600    # timeout: seconds or h:m:s
+    trainer: {strategy: {class_path: CustomDDPStrategy, init_args: {sync_mode: flat, timeout: 600}}}
+(A YAML ``strategy: custom_ddp`` is a plain name: flags cannot add options to it.)
 
 Real CIFAR-100, ResNet-18 on every GPU of one machine (Lightning launches the processes):
     python train.py fit --config configs/cifar100_resnet18.yaml --data.download=true
@@ -26,9 +35,15 @@ Multi-GPU / multi-node with torchrun (Lightning detects the torchrun environment
 The assignment's template net (batch 32, 2 processes, gradient accumulation 2, 20 epochs):
     python train.py fit --config configs/cifar100_template_net.yaml
 
-Evaluate a checkpoint on the 10k test images; inspect the resolved configuration:
+Evaluate a checkpoint on the 10k test images; predict them; inspect the resolved configuration:
     python train.py test --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
+    python train.py predict --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
     python train.py fit --config configs/quickstart.yaml --print_config
+``predict`` writes ``predictions.pt`` into its run folder and prints the path (``callbacks.PredictionWriter``,
+added unless the config has a prediction writer): ``torch.load`` gives ``index``, ``pred`` (top-1 class),
+``top5``, ``probs`` (softmax) and ``target`` (label), one row per image in dataset order, merged over
+processes. ``--data.predict_split=val|train`` predicts another split; add the writer yourself to choose
+the file or one file per process: ``--trainer.callbacks+=PredictionWriter --trainer.callbacks.merge=false``.
 
 Watch the runs:
     tensorboard --logdir lightning_logs
@@ -36,12 +51,21 @@ Watch the runs:
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import ArgsType, LightningCLI
+import sys
+from typing import Any
+
+from jsonargparse import Namespace
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 import callbacks  # noqa: F401  (project callbacks, importable by short name in configs)
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
+from callbacks import PredictionWriter
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
+from strategies import CustomDDPStrategy
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -50,17 +74,92 @@ TRAINER_DEFAULTS = {
         "init_args": {"save_dir": ".", "name": "lightning_logs", "default_hp_metric": False},
     },
 }
+_STRATEGY = "--trainer.strategy"
+_OPTIMIZER_HELP = (
+    "the optimizer and its LR schedule are configured in one place, LitClassifier's own arguments "
+    "(weight decay never on biases and norm parameters, a per-step schedule): use --model.optimizer=sgd|adamw, "
+    "--model.lr, --model.momentum, --model.nesterov, --model.weight_decay, --model.schedule=cosine|onecycle|none "
+    "and --model.warmup_fraction."
+)
 
 
-def main(args: ArgsType = None) -> LightningCLI:
-    """Parse ``args`` (default: ``sys.argv``), build model, data and Trainer, and run the subcommand."""
-    return LightningCLI(
+def _custom_ddp_names() -> dict[str, tuple[type, dict[str, Any]]]:
+    """Registered names of CustomDDPStrategy (custom_ddp, _fork, _spawn) -> (class, registered init args)."""
+    return {name: (entry["strategy"], entry["init_params"]) for name, entry in StrategyRegistry.items()
+            if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], CustomDDPStrategy)}
+
+
+def _expand_strategy_name(argv: list[str]) -> list[str]:
+    """``--trainer.strategy=custom_ddp`` + ``--trainer.strategy.<option>=...`` -> the class-path form.
+
+    jsonargparse takes strategy options only after a class path: after a registered name (parsed as
+    a plain string) it fails with "Expected a dot import path". When options are given, the name
+    becomes its class path plus the init args it was registered with (``custom_ddp_fork`` ->
+    ``start_method=fork``), placed before the user's options so theirs win. Without options the
+    name is kept as typed, so configs record ``custom_ddp``.
+    """
+    if not any(arg.startswith(f"{_STRATEGY}.") and not arg.startswith(f"{_STRATEGY}.help") for arg in argv):
+        return argv
+    names, expanded, i = _custom_ddp_names(), [], 0
+    while i < len(argv):
+        flag, sep, value = argv[i].partition("=")
+        width = 2 if flag == _STRATEGY and not sep and i + 1 < len(argv) else 1  # "--trainer.strategy NAME"
+        value = argv[i + 1] if width == 2 else value
+        entry = names.get(value.lower()) if flag == _STRATEGY else None  # the Trainer lower-cases names too
+        if entry is None:
+            expanded += argv[i:i + width]
+        else:
+            cls, init_params = entry
+            expanded.append(f"{_STRATEGY}={cls.__module__}.{cls.__qualname__}")
+            expanded += [f"{_STRATEGY}.{key}={val}" for key, val in init_params.items()]
+        i += width
+    return expanded
+
+
+class LitCifarCLI(LightningCLI):
+    """LightningCLI with strategy options by registered name, no optimizer flags, and a predictions file."""
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        if isinstance(args, (dict, Namespace)):
+            super().parse_arguments(parser, args)
+            return
+        argv = list(sys.argv[1:] if args is None else args)
+        # auto_configure_optimizers=False already makes these unknown; say what to use instead.
+        refused = [arg for arg in argv if arg.partition("=")[0].split(".")[0] in ("--optimizer", "--lr_scheduler")]
+        if refused:
+            parser.error(f"{refused[0]} is not an option here: {_OPTIMIZER_HELP}")
+        expanded = _expand_strategy_name(argv)
+        if args is None and expanded != argv:
+            # LightningCLI's own parse of a list, minus its warning about args given next to sys.argv
+            # (they ARE sys.argv, rewritten). sys.argv stays as typed: the popen launcher re-runs it.
+            self.config = parser.parse_args(expanded)
+        else:
+            super().parse_arguments(parser, None if args is None else expanded)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        # `predict` always leaves a file (and says where), unless the config chose its own writer.
+        if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in trainer.callbacks):
+            trainer.callbacks.append(PredictionWriter())
+        return trainer
+
+
+def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+    """Parse ``args`` (default: ``sys.argv``), build model, data and Trainer, and run the subcommand.
+
+    ``run=False`` only builds them (``args`` then has no subcommand).
+    """
+    return LitCifarCLI(
         LitClassifier,
         CIFAR100DataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
+        # The module's configure_optimizers is the only optimizer setup: LightningCLI's automatic
+        # --optimizer/--lr_scheduler would silently replace its schedule and no-decay groups.
+        auto_configure_optimizers=False,
         args=args,
+        run=run,
     )
 
 

@@ -33,6 +33,7 @@ from lit_cifar.transforms import augment, normalize
 __all__ = ["CIFAR100DataModule", "TensorImageDataset", "load_split"]
 
 DatasetChoice = Literal["cifar100", "synthetic", "auto"]
+SplitChoice = Literal["test", "val", "train"]
 _DOWNLOAD_TIMEOUT_S = 60.0
 
 
@@ -67,11 +68,22 @@ def load_split(root: str | Path, train: bool, synthetic: bool = False) -> Tensor
     return TensorImageDataset(images, torch.tensor(raw.targets, dtype=torch.long))
 
 
-def real_cifar100_present(root: str | Path) -> bool:
-    """Whether the official CIFAR-100 files (checked by md5) are under ``root/cifar-100-python``."""
+def _real_file_problems(root: str | Path) -> list[str]:
+    """One line per official file under ``root/cifar-100-python`` that is missing or fails its md5."""
     folder = Path(root) / CIFAR100.base_folder
     files = CIFAR100.train_list + CIFAR100.test_list + [[CIFAR100.meta["filename"], CIFAR100.meta["md5"]]]
-    return all(check_integrity(str(folder / name), md5) for name, md5 in files)
+    problems = []
+    for name, md5 in files:
+        if not (folder / name).is_file():
+            problems.append(f"{folder / name} is missing")
+        elif not check_integrity(str(folder / name), md5):
+            problems.append(f"{folder / name} is truncated or corrupt (md5 mismatch)")
+    return problems
+
+
+def real_cifar100_present(root: str | Path) -> bool:
+    """Whether the official CIFAR-100 files (checked by md5) are under ``root/cifar-100-python``."""
+    return not _real_file_problems(root)
 
 
 def _download_cifar100(root: str | Path) -> None:
@@ -87,10 +99,16 @@ def _download_cifar100(root: str | Path) -> None:
 
 def _missing_cifar100_error(root: str | Path, reason: str) -> FileNotFoundError:
     folder = Path(root) / CIFAR100.base_folder
+    problems = _real_file_problems(root) if folder.is_dir() else []
+    damaged = [line for line in problems if line.endswith("(md5 mismatch)")]
     found = " (it holds a synthetic set, not CIFAR-100)" if is_synthetic(folder) else ""
+    listing = "" if found else "".join(f"\n  - {line}" for line in problems)
+    # torchvision's download skips files that pass their md5 and re-extracts the others, but a
+    # clean folder is the fix that always works.
+    delete = f"delete {folder} and re-run with " if damaged else ""
     return FileNotFoundError(
-        f"CIFAR-100 not found or corrupted under {folder}{found}; {reason}. Fix one of:\n"
-        "  1. allow the download: --data.download=true (needs network access);\n"
+        f"CIFAR-100 not found or corrupted under {folder}{found}; {reason}.{listing}\nFix one of:\n"
+        f"  1. {delete}--data.download=true (allows the download; needs network access);\n"
         f"  2. download {CIFAR100.url} on another machine and extract it so that "
         f"{folder}/train, test and meta exist (md5-checked);\n"
         "  3. train on generated data: --data.dataset=synthetic (or auto, which falls back to it)."
@@ -131,7 +149,9 @@ class CIFAR100DataModule(LightningDataModule):
         val_size: Validation images taken from the training set: a count or a fraction in (0, 1).
         split_seed: Seed of the train/val split (the same on every rank).
         batch_size: Training batch size per process.
-        eval_batch_size: Validation/test batch size per process (default: ``batch_size``).
+        eval_batch_size: Validation/test/predict batch size per process (default: ``batch_size``).
+        predict_split: The split ``python train.py predict`` runs on: ``test`` (the 10k test images),
+            ``val`` or ``train`` (the seeded split of the training images; never augmented).
         num_workers: DataLoader worker processes (items are tensor slices, so 0 is usually right).
         augment: Random crop (4-px zero padding) + horizontal flip on training batches.
         synthetic_train_size: Training images of the synthetic set (before the val split).
@@ -150,6 +170,7 @@ class CIFAR100DataModule(LightningDataModule):
         split_seed: int = 0,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
+        predict_split: SplitChoice = "test",
         num_workers: int = 0,
         augment: bool = True,
         synthetic_train_size: int = 10_000,
@@ -161,6 +182,8 @@ class CIFAR100DataModule(LightningDataModule):
             raise ValueError(f"dataset must be 'cifar100', 'synthetic' or 'auto', got {dataset!r}.")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
             raise ValueError(f"batch_size ({batch_size}) and eval_batch_size ({eval_batch_size}) must be >= 1.")
+        if predict_split not in ("test", "val", "train"):
+            raise ValueError(f"predict_split must be 'test', 'val' or 'train', got {predict_split!r}.")
         self.save_hyperparameters()
         self._dataset_used: str | None = None
         self.train_set: TensorImageDataset | None = None
@@ -229,14 +252,15 @@ class CIFAR100DataModule(LightningDataModule):
         if self._dataset_used is None:
             self._dataset_used = self._resolve_dataset()
             self.save_hyperparameters({"dataset_used": self._dataset_used})  # merged, logged by the Trainer
-        if stage in ("fit", "validate", None) and self.train_set is None:
+        predict_split = self.hparams.predict_split if stage == "predict" else None
+        if (stage in ("fit", "validate", None) or predict_split in ("train", "val")) and self.train_set is None:
             full = self._load(train=True)
             num_val = _num_val(self.hparams.val_size, len(full))
             order = torch.randperm(len(full), generator=torch.Generator().manual_seed(self.hparams.split_seed))
             val_idx, train_idx = order[:num_val], order[num_val:]
             self.train_set = TensorImageDataset(full.images[train_idx], full.labels[train_idx])
             self.val_set = TensorImageDataset(full.images[val_idx], full.labels[val_idx])
-        if stage in ("test", None) and self.test_set is None:
+        if (stage in ("test", None) or predict_split == "test") and self.test_set is None:
             self.test_set = self._load(train=False)
 
     def _loader(self, dataset: TensorImageDataset | None, batch_size: int, shuffle: bool) -> DataLoader:
@@ -254,6 +278,11 @@ class CIFAR100DataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, self.hparams.eval_batch_size or self.hparams.batch_size, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The ``predict_split`` images in dataset order (predictions are saved against these indices)."""
+        split = {"test": self.test_set, "val": self.val_set, "train": self.train_set}[self.hparams.predict_split]
+        return self._loader(split, self.hparams.eval_batch_size or self.hparams.batch_size, shuffle=False)
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         """Augment (training only) and normalise the uint8 batch on its device."""

@@ -4,6 +4,10 @@ Metrics are torchmetrics objects (top-1/top-5 accuracy and a batch-size-weighted
 under any data-parallel strategy they reduce *sums and counts* across processes at epoch end; a
 per-rank mean averaged with ``sync_dist`` would be wrong for uneven shards. Logged names:
 ``{train,val,test}/{loss,acc1,acc5}`` (train also per step).
+
+``predict_step`` returns, per batch, a dict of tensors: ``pred`` (top-1 class, (N,)),
+``top5`` (classes by decreasing probability, (N, 5)), ``probs`` (softmax, (N, num_classes)) and
+``target`` (the dataset's label, (N,)); :class:`callbacks.PredictionWriter` saves them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def _warmup_cosine(warmup_steps: int, total_steps: int):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _onecycle_pct_start(hp: Any, total_steps: int) -> float:
+    """OneCycleLR's rise fraction; a rise of exactly one step becomes two (or none below 3 steps)."""
+    pct_start = hp.warmup_fraction or 0.25
+    # torch's OneCycleLR divides by zero when pct_start * total_steps == 1 (e.g. 5 steps with 0.2).
+    if math.isclose(pct_start * total_steps, 1.0):
+        return 2.0 / total_steps if total_steps > 2 else 0.0
+    return pct_start
 
 
 class LitClassifier(LightningModule):
@@ -115,6 +128,13 @@ class LitClassifier(LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._step(batch, "test")
 
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Top-1 class, top-5 classes, class probabilities and the dataset's label of each image."""
+        images, labels = batch
+        probs = self(images).float().softmax(dim=-1)  # float: bf16/fp16 logits would round the probabilities
+        top5 = probs.topk(min(5, probs.shape[-1]), dim=-1).indices
+        return {"pred": top5[:, 0], "top5": top5, "probs": probs, "target": labels}
+
     def param_groups(self) -> list[dict[str, Any]]:
         """Two groups: weights with weight decay, biases and norm affine parameters without."""
         decay = [p for p in self.net.parameters() if p.ndim > 1]
@@ -133,7 +153,7 @@ class LitClassifier(LightningModule):
         total_steps = int(self.trainer.estimated_stepping_batches)
         if hp.schedule == "onecycle":
             scheduler = torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=hp.lr, total_steps=total_steps, pct_start=hp.warmup_fraction or 0.25
+                optimizer, max_lr=hp.lr, total_steps=total_steps, pct_start=_onecycle_pct_start(hp, total_steps)
             )
         else:
             warmup_steps = round(hp.warmup_fraction * total_steps)

@@ -39,6 +39,10 @@ __all__ = ["SyntheticCIFAR100", "is_synthetic", "write_synthetic_cifar100"]
 NUM_CLASSES = 100
 _MARKER = "SYNTHETIC.json"
 _FORMAT_VERSION = 1
+# What reading a damaged pickle or JSON file raises: truncation gives UnpicklingError or EOFError,
+# flipped bytes anything from UnicodeDecodeError (a ValueError) to MemoryError.
+_READ_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+               MemoryError)
 
 
 def _class_templates(rng: np.random.Generator, grid: int = 4) -> np.ndarray:
@@ -97,6 +101,35 @@ def _check_args(train_size: int, test_size: int, noise_std: float, max_distracto
         raise ValueError(f"max_distractor must lie in [0, 1), got {max_distractor!r}.")
 
 
+def _regenerate_command(folder: Path) -> str:
+    """The shell command that rewrites ``folder`` with the settings its marker records."""
+    command = f"rm -r {folder} && python -m lit_cifar.synthetic --root {folder.parent}"
+    try:
+        config = json.loads((folder / _MARKER).read_text())
+        flags = {"--train-size": config["train_size"], "--test-size": config["test_size"], "--seed": config["seed"],
+                 "--noise-std": config["noise_std"], "--max-distractor": config["max_distractor"]}
+    except (OSError, *_READ_ERRORS):  # the marker is the damaged file (or gone): settings unknown
+        return command + " (add the --train-size/--test-size/--seed it was written with)"
+    return command + "".join(f" {flag} {value}" for flag, value in flags.items())
+
+
+def _corrupt_file_error(path: Path, err: BaseException) -> RuntimeError:
+    """The error for a damaged file of a synthetic set: names the file and how to regenerate it."""
+    return RuntimeError(
+        f"cannot read {path}: the file is truncated or corrupt ({type(err).__name__}: {err}). It is generated "
+        f"data: delete {path.parent} and run again (the DataModule writes it anew), or regenerate it now:\n"
+        f"  {_regenerate_command(path.parent)}"
+    )
+
+
+def _read_marker(folder: Path) -> Any:
+    path = folder / _MARKER
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise _corrupt_file_error(path, err) from err
+
+
 def write_synthetic_cifar100(
     root: str | os.PathLike[str],
     train_size: int = 10_000,
@@ -135,7 +168,7 @@ def write_synthetic_cifar100(
                 f"{target} exists and is not a synthetic set (no {_MARKER}); refusing to overwrite it. "
                 "Choose another --root for the synthetic data."
             )
-        if json.loads((target / _MARKER).read_text()) == config:
+        if _read_marker(target) == config:
             return target
 
     rng = np.random.default_rng(seed)
@@ -167,8 +200,26 @@ class SyntheticCIFAR100(CIFAR100):
 
     Only the integrity checks differ: the md5 sums of the official files cannot match generated
     data, so presence of the three pickles and the synthetic marker is checked instead. Real data
-    keeps going through the untouched ``CIFAR100`` class and its md5 checks.
+    keeps going through the untouched ``CIFAR100`` class and its md5 checks. A truncated or
+    damaged file raises a ``RuntimeError`` that names it and the command that regenerates the set.
     """
+
+    def __init__(self, root: str | os.PathLike[str], train: bool = True, **kwargs: Any) -> None:
+        try:
+            super().__init__(root, train=train, **kwargs)
+        except _READ_ERRORS as err:
+            split_files = [name for name, _ in (self.train_list if train else self.test_list)]
+            raise _corrupt_file_error(self._first_unreadable(split_files + [self.meta["filename"]]), err) from err
+
+    def _first_unreadable(self, names: list[str]) -> Path:
+        """The first of ``names`` (in torchvision's reading order) that does not unpickle."""
+        for name in names:
+            try:
+                with open(self._folder() / name, "rb") as f:
+                    pickle.load(f, encoding="latin1")
+            except _READ_ERRORS:
+                return self._folder() / name
+        return self._folder() / names[0]  # every file unpickles: the split's content is inconsistent
 
     def _folder(self) -> Path:
         return Path(self.root) / self.base_folder

@@ -1,8 +1,10 @@
-"""Synthetic CIFAR-100 files, the DataModule's splits and dataset choice, batched transforms."""
+"""Synthetic CIFAR-100 files, the DataModule's splits and dataset choice, damaged-file errors, batched transforms."""
 
 from __future__ import annotations
 
 import pickle
+import shlex
+import shutil
 import urllib.error
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from torchvision.datasets import CIFAR100
 
-from lit_cifar import transforms
+from lit_cifar import synthetic, transforms
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.synthetic import SyntheticCIFAR100, write_synthetic_cifar100
 
@@ -118,6 +120,73 @@ def test_auto_falls_back_to_synthetic_loudly(tiny_datamodule) -> None:
         dm.prepare_data()
     dm.setup("fit")
     assert dm.hparams.dataset_used == "synthetic" and dm.hparams_initial.dataset_used == "synthetic"
+
+
+@pytest.mark.parametrize(("split", "size"), [("test", 200), ("val", 100), ("train", 300)])
+def test_predict_dataloader_serves_the_chosen_split_in_order(tiny_datamodule, split: str, size: int) -> None:
+    dm = tiny_datamodule(predict_split=split, eval_batch_size=64)
+    dm.setup("predict")
+    loader = dm.predict_dataloader()
+    images = torch.cat([batch[0] for batch in loader])
+    assert len(loader.dataset) == size and torch.equal(images, getattr(dm, f"{split}_set").images)
+
+
+def test_bad_predict_split_is_rejected(tiny_datamodule) -> None:
+    with pytest.raises(ValueError, match="predict_split must be 'test', 'val' or 'train', got 'holdout'"):
+        tiny_datamodule(predict_split="holdout")
+
+
+@pytest.fixture
+def damaged_copy(tmp_path: Path, data_dir: Path, tiny_datamodule):
+    """A private copy of the TINY synthetic set and its DataModule: (datamodule, cifar-100-python folder)."""
+    shutil.copytree(data_dir / "synthetic", tmp_path / "synthetic")
+    dm = CIFAR100DataModule(**{**tiny_datamodule().hparams, "data_dir": str(tmp_path)})
+    return dm, dm.synthetic_root / "cifar-100-python"
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+@pytest.mark.parametrize(("name", "stage", "keep"), [("train", "fit", 0.5), ("test", "test", 0.01), ("meta", "fit", 0.0)])
+def test_damaged_synthetic_pickle_names_the_file_and_the_fix(damaged_copy, name: str, stage: str, keep: float) -> None:
+    dm, folder = damaged_copy
+    original = dm.synthetic_root
+    _truncate(folder / name, keep)
+    with pytest.raises(RuntimeError) as err:
+        dm.setup(stage)
+    message = str(err.value)
+    assert f"cannot read {folder / name}: the file is truncated or corrupt" in message
+    assert isinstance(err.value.__cause__, (pickle.UnpicklingError, EOFError))
+    # The fix works as printed: delete the folder and run the regenerate command.
+    command = message.splitlines()[-1].strip()
+    assert command.startswith(f"rm -r {folder} && python -m lit_cifar.synthetic --root {original}")
+    shutil.rmtree(folder)
+    synthetic.main(shlex.split(command.split("&&")[1])[3:])
+    dm.setup(stage)
+    assert len(dm.test_set or dm.train_set) > 0
+
+
+def test_corrupt_synthetic_marker_names_the_file_and_the_fix(damaged_copy) -> None:
+    dm, folder = damaged_copy
+    (folder / "SYNTHETIC.json").write_text('{"format_version": 1, "train_si')
+    with pytest.raises(RuntimeError, match=r"cannot read .*SYNTHETIC\.json: the file is truncated or corrupt \(JSONDecodeError") as err:
+        dm.prepare_data()
+    assert f"delete {folder} and run again" in str(err.value)
+    assert "add the --train-size/--test-size/--seed it was written with" in str(err.value)  # settings unknown
+
+
+def test_damaged_real_cifar100_lists_the_files_and_the_fix(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    (folder / "train").write_bytes(b"\x80\x02}q\x00(X")  # a truncated pickle: fails the md5 check first
+    dm = CIFAR100DataModule(data_dir=str(tmp_path), dataset="cifar100", download=False)
+    with pytest.raises(FileNotFoundError) as err:
+        dm.prepare_data()
+    message = str(err.value)
+    assert f"{folder / 'train'} is truncated or corrupt (md5 mismatch)" in message
+    assert f"{folder / 'meta'} is missing" in message
+    assert f"delete {folder} and re-run with --data.download=true" in message
 
 
 def _images(n: int = 64) -> torch.Tensor:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -59,6 +61,31 @@ def test_fit_ddp_two_cpu_processes(tmp_path: Path, tiny_datamodule) -> None:
     # DistributedSampler halves the epoch: 150 images per rank / 64 -> 3 steps (5 in one process).
     assert len(events.Scalars("train/loss_step")) == 3
     assert math.isfinite(trainer.callback_metrics["val/acc1"].item())
+
+
+def test_predict_step_returns_classes_top5_probabilities_and_targets() -> None:
+    model = LitClassifier(net="template").eval()
+    images, labels = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)), torch.arange(6)
+    with torch.no_grad():
+        out = model.predict_step((images, labels), 0)
+        logits = model(images)
+    assert set(out) == {"pred", "top5", "probs", "target"}
+    torch.testing.assert_close(out["probs"], logits.softmax(dim=-1))
+    assert torch.equal(out["pred"], logits.argmax(dim=-1)) and torch.equal(out["target"], labels)
+    assert out["top5"].shape == (6, 5) and torch.equal(out["top5"], logits.topk(5, dim=-1).indices)
+
+
+@pytest.mark.parametrize("total_steps", [1, 2, 4, 5, 10])
+def test_onecycle_survives_a_one_step_rise(total_steps: int) -> None:
+    # warmup_fraction * total_steps == 1 made torch's OneCycleLR divide by zero at construction.
+    model = LitClassifier(net="template", schedule="onecycle", warmup_fraction=1 / total_steps if total_steps > 1 else 0.5)
+    model.trainer = SimpleNamespace(estimated_stepping_batches=total_steps)
+    config = model.configure_optimizers()
+    scheduler, optimizer = config["lr_scheduler"]["scheduler"], config["optimizer"]
+    for _ in range(total_steps):
+        optimizer.step()
+        scheduler.step()
+    assert math.isfinite(optimizer.param_groups[0]["lr"])
 
 
 def test_param_groups_exclude_biases_and_norms_from_weight_decay() -> None:

@@ -1,17 +1,22 @@
-"""train.py: LightningCLI parsing of every shipped config, --print_config, and a fit through the CLI."""
+"""train.py: LightningCLI parsing of every shipped config, --print_config, fit and predict through the CLI,
+strategy options by registered name or short class name, and the refused --optimizer flags."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
+from lit_cifar.transforms import normalize
+from strategies import CustomDDPStrategy
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -28,8 +33,8 @@ def _load_train_module():
 train = _load_train_module()
 
 
-def _print_config(capsys: pytest.CaptureFixture, *configs: str) -> dict:
-    args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))] + ["--print_config"]
+def _print_config(capsys: pytest.CaptureFixture, *configs: str, extra: tuple[str, ...] = ()) -> dict:
+    args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))] + [*extra, "--print_config"]
     with pytest.raises(SystemExit) as exit_info:
         train.main(args)
     assert exit_info.value.code in (0, None)
@@ -56,8 +61,8 @@ def _strategy_name(strategy: str | dict) -> str:
     [
         (("cifar100_resnet18.yaml",), {"net": "resnet18", "devices": -1, "dataset": "cifar100"}),
         (("cifar100_template_net.yaml",),
-         {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "custom_ddp"}),
-        (("custom_ddp_cpu.yaml",), {"devices": 2, "accumulate": 2, "strategy": "strategies.custom_ddp.CustomDDPStrategy"}),
+         {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "strategies.CustomDDPStrategy"}),
+        (("custom_ddp_cpu.yaml",), {"devices": 2, "accumulate": 2, "strategy": "strategies.CustomDDPStrategy"}),
         (("quickstart.yaml", "ddp_cpu.yaml"),
          {"net": "template", "devices": 2, "dataset": "auto", "strategy": "lightning.pytorch.strategies.DDPStrategy"}),
     ],
@@ -75,16 +80,27 @@ def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str
     assert {key: found[key] for key in expected} == expected
 
 
-def test_fit_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
+TINY_ARGS = [
+    "--data.dataset=synthetic", "--data.synthetic_train_size=400", "--data.synthetic_test_size=200",
+    "--data.val_size=100", "--data.batch_size=64", "--trainer.enable_progress_bar=false",
+]
+
+
+@pytest.fixture(scope="module")
+def fit_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
+    """One 2-step fit through the CLI on TINY data: (cli, save_dir)."""
+    save_dir = tmp_path_factory.mktemp("runs")
     cli = train.main([
-        "fit", "--config", str(CONFIGS / "quickstart.yaml"),
-        "--data.dataset=synthetic", f"--data.data_dir={data_dir}",
-        "--data.synthetic_train_size=400", "--data.synthetic_test_size=200", "--data.val_size=100",
-        "--data.batch_size=64", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+        "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", f"--trainer.logger.init_args.save_dir={save_dir}",
     ])
+    return cli, save_dir
+
+
+def test_fit_through_the_cli(fit_run: tuple) -> None:
+    cli, save_dir = fit_run
     assert cli.trainer.state.finished and cli.trainer.global_step == 2
-    log_dir = tmp_path / "lightning_logs" / "version_0"
+    log_dir = save_dir / "lightning_logs" / "version_0"
     assert (log_dir / "config.yaml").is_file() and (log_dir / "checkpoints" / "last.ckpt").is_file()
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["dataset_used"] == "synthetic"
@@ -92,3 +108,100 @@ def test_fit_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
     checkpoint = log_dir / "checkpoints" / "last.ckpt"
     assert LitClassifier.load_from_checkpoint(checkpoint).hparams.net == "template"
     assert CIFAR100DataModule.load_from_checkpoint(checkpoint).hparams.synthetic_train_size == 400
+    # The optimizer is the module's own (auto_configure_optimizers=False): SGD with the no-decay
+    # group and the config's per-step one-cycle schedule, not something the CLI substituted.
+    (optimizer,) = cli.trainer.optimizers
+    assert isinstance(optimizer, torch.optim.SGD) and [g["weight_decay"] for g in optimizer.param_groups] == [5e-4, 0]
+    (scheduler_config,) = cli.trainer.lr_scheduler_configs
+    assert isinstance(scheduler_config.scheduler, torch.optim.lr_scheduler.OneCycleLR)
+
+
+def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir: Path) -> None:
+    _, save_dir = fit_run
+    checkpoint = save_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    cli = train.main([
+        "predict", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
+        "--data.eval_batch_size=48", f"--trainer.logger.init_args.save_dir={save_dir}", f"--ckpt_path={checkpoint}",
+    ])
+    path = save_dir / "lightning_logs" / "version_1" / "predictions.pt"  # the predict run's own log dir
+    (writer,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, train.PredictionWriter)]
+    assert writer.written == [path]
+    saved = torch.load(path)
+    assert torch.equal(saved["index"], torch.arange(200))  # the test split, in dataset order (5 batches merged)
+    # Same as the checkpoint's model on the test images, row for row.
+    model = LitClassifier.load_from_checkpoint(checkpoint).eval()
+    test_set = cli.datamodule.test_set
+    with torch.no_grad():
+        probs = model(normalize(test_set.images)).softmax(dim=-1)
+    torch.testing.assert_close(saved["probs"], probs)
+    assert torch.equal(saved["target"], test_set.labels)
+    assert torch.equal(saved["pred"], probs.argmax(dim=-1)) and torch.equal(saved["top5"][:, 0], saved["pred"])
+
+
+@pytest.mark.parametrize("flag", ["--optimizer=torch.optim.Adam", "--lr_scheduler.class_path=StepLR"])
+def test_optimizer_flags_are_refused_with_the_fix(capsys: pytest.CaptureFixture, flag: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), flag, "--print_config"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{flag} is not an option here" in error and "--model.optimizer=sgd|adamw" in error
+
+
+def test_optimizer_key_in_a_config_file_is_rejected(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    config = tmp_path / "optimizer.yaml"
+    config.write_text("optimizer:\n  class_path: torch.optim.Adam\n")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 2 and "'optimizer.class_path' is not accepted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.strategy=custom_ddp", "--trainer.strategy.sync_mode=flat"],
+         {"sync_mode": "flat", "start_method": "popen"}),
+        (["--trainer.strategy", "custom_ddp_fork", "--trainer.strategy.zero1=true"],
+         {"zero1": True, "start_method": "fork", "sync_mode": "bucketed"}),
+        (["--trainer.strategy=custom_ddp_spawn", "--trainer.strategy.init_args.start_method=popen"],
+         {"start_method": "popen"}),  # the user's option wins over the registered one
+        (["--trainer.strategy=CustomDDPStrategy", "--trainer.strategy.bucket_cap_mb=4", "--trainer.strategy.timeout=90"],
+         {"bucket_cap_mb": 4.0, "timeout": 90.0}),
+    ],
+    ids=["registered-name", "fork-name-space-separated", "user-wins", "short-class-name"],
+)
+def test_strategy_options_from_the_command_line(capsys: pytest.CaptureFixture, args: list[str], expected: dict) -> None:
+    strategy = _print_config(capsys, "quickstart.yaml", extra=tuple(args))["trainer"]["strategy"]
+    assert strategy["class_path"].endswith("CustomDDPStrategy")
+    assert {key: strategy["init_args"][key] for key in expected} == expected
+
+
+@pytest.mark.parametrize(("timeout", "seconds"), [("90", 90), ("2.5", 2.5), ("0:05:00", 300)])
+def test_strategy_options_from_yaml_by_short_class_name(tmp_path: Path, timeout: str, seconds: float) -> None:
+    config = tmp_path / "strategy.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: CustomDDPStrategy\n"
+                      f"    init_args:\n      sync_mode: per_param\n      timeout: {timeout}\n")
+    # A flag still overrides one option of it; the rest stays.
+    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config),
+                      "--trainer.strategy.zero1=true"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, CustomDDPStrategy)
+    assert (strategy.sync_mode, strategy.zero1, strategy._timeout) == ("per_param", True, timedelta(seconds=seconds))
+
+
+def test_registered_name_without_options_stays_a_name(capsys: pytest.CaptureFixture) -> None:
+    config = _print_config(capsys, "quickstart.yaml", extra=("--trainer.strategy=custom_ddp",))
+    assert config["trainer"]["strategy"] == "custom_ddp"
+
+
+def test_strategy_built_from_name_options_and_seconds() -> None:
+    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp_fork",
+                      "--trainer.strategy.sync_mode=flat", "--trainer.strategy.timeout=90"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, CustomDDPStrategy) and strategy.sync_mode == "flat"
+    assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
+
+
+def test_non_positive_timeout_from_the_command_line_names_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"timeout=0.0 must be > 0 seconds"):
+        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp",
+                    "--trainer.strategy.timeout=0"], run=False)
