@@ -64,10 +64,11 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SYNC_MODES, SyncMode
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SyncMode
 from parallel.zero import ShardedOptimizer
 from strategies.evaluation import ScatteredEvaluation
 from strategies.layer_sync import CustomSyncBatchNorm
+from strategies.options import as_timedelta, check_options, is_mean_op
 
 __all__ = ["CustomDDPStrategy"]
 
@@ -75,41 +76,6 @@ log = logging.getLogger(__name__)
 
 _REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-
-
-def _check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any) -> None:
-    """Raise one error that lists every bad option with its fix."""
-    problems = [
-        f"{name}={value!r} must be a bool"
-        for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval))
-        if not isinstance(value, bool)
-    ]
-    if sync_mode not in SYNC_MODES:
-        problems.append(f"sync_mode={sync_mode!r} must be one of {SYNC_MODES}")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        problems.append(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB; default {DEFAULT_BUCKET_CAP_MB})")
-    if problems:
-        raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
-
-
-def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
-    """``timeout`` as a ``timedelta``: a number counts seconds (YAML and flags need no ``h:m:s``)."""
-    if timeout is None:
-        return None  # torch's default process-group timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
-        raise TypeError(f"CustomDDPStrategy: timeout={timeout!r} must be a number of seconds or a timedelta, "
-                        "e.g. timeout=1800 or timeout=timedelta(minutes=30).")
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:  # also rejects NaN
-        raise ValueError(f"CustomDDPStrategy: timeout={timeout!r} must be > 0 seconds (a collective waits that long "
-                         "for a dead peer), e.g. timeout=1800.")
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
-
-
-def _is_mean_op(reduce_op: Any) -> bool:
-    if isinstance(reduce_op, str):
-        return reduce_op.lower() in ("mean", "avg")
-    return reduce_op == torch.distributed.ReduceOp.AVG
 
 
 class CustomDDPStrategy(DDPStrategy):
@@ -149,7 +115,7 @@ class CustomDDPStrategy(DDPStrategy):
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        _check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval)
+        check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -157,7 +123,7 @@ class CustomDDPStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=_as_timedelta(timeout),
+            timeout=as_timedelta(timeout),
             start_method=start_method,
         )
         self._sync_batchnorm = sync_batchnorm
@@ -282,7 +248,7 @@ class CustomDDPStrategy(DDPStrategy):
         # sync_dist=True)`` divides the synced value sum by the synced (int) ``cumulated_batch_size``,
         # so 6 + 5 samples on 2 ranks give a mean count of 5, not 5.5, and a 10% wrong epoch value.
         # ddp's equal padded shards never show it; uneven evaluation shards do. Average as floats.
-        if (isinstance(tensor, torch.Tensor) and _is_mean_op(reduce_op)
+        if (isinstance(tensor, torch.Tensor) and is_mean_op(reduce_op)
                 and not (tensor.is_floating_point() or tensor.is_complex())):
             tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group, reduce_op)
