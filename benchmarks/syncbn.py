@@ -1,100 +1,120 @@
-"""SyncBatchNorm benchmark: forward+backward time and peak memory of ``parallel.syncbn``.
+"""SyncBatchNorm benchmark: does ``parallel.syncbn.SyncBatchNorm`` cost more than local BN plus its all-reduces?
 
 Run from the repository root::
 
-    python -m benchmarks.syncbn --out benchmarks/results/syncbn                 # CPU, 2 ranks
-    python -m benchmarks.syncbn --out /tmp/syncbn --quick                       # smoke run
-    python -m benchmarks.syncbn --out benchmarks/results/syncbn_gpu --device cuda
+    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes
+    python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
+    python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
 
-Configurations (shapes are PER RANK): the assignment's 8, (batch 32 / 64) x hid_dim
-128-1024 as (N, C), plus conv-shaped (N, C, H, W) ones.
+Per shape (PER RANK: the assignment's 8 (N, C) shapes and 4 conv (N, C, H, W) ones), one
+forward+backward of
 
-CPU (gloo, one intra-op thread per rank): ``custom`` (synchronised) vs ``local`` (torch's
-``BatchNorm``, no communication) vs the FLOOR = ``local`` + two ``all_reduce`` calls of 2C+1
-floats, timed in the same iterations. Target: custom <= 1.2x floor in every configuration.
+- ``custom``: ``parallel.syncbn.SyncBatchNorm`` (statistics synchronised over the ranks);
+- ``local``: torch's BatchNorm, no communication;
+- ``floor``: that local BN and then two ``all_reduce`` calls of 2C+1 floats, timed as ONE call:
+  the least any synchronised BN has to do. (Timing the pieces apart and adding their medians
+  made the floor mostly noise on small shapes: it came out above ``custom`` in 5 of 12.)
+- ``torch_syncbn`` (CUDA only): ``torch.nn.SyncBatchNorm``.
 
-CUDA (``--device cuda``; NCCL when there is a GPU per rank, else every rank on GPU 0 over gloo):
-``custom`` vs ``torch.nn.SyncBatchNorm``, CUDA-event timing, ``max_memory_allocated``.
-Targets: <= 0.9x its time and <= 1.0x its peak memory.
+Timing goes through ``benchmarks.harness``: interleaved rounds of the methods, ``--iters``
+iterations of one method per round; each iteration starts after a barrier and its sample is the
+slowest rank's time, because a synchronised step finishes only when its slowest rank does.
+Reported: medians and the ratios custom/floor, custom/local (custom/torch_syncbn on CUDA) with
+bootstrap 95 % CIs. Target custom <= 1.2x floor (CPU), <= 0.9x torch_syncbn (CUDA): "met" only
+when the whole CI lies below it, "missed" when it lies above, otherwise "undecided".
+``torch.utils.benchmark`` is not used for the timing: its Timer chooses block sizes and warm-up
+calls per process, so the ranks would neither issue their collectives in step nor yield
+barrier-aligned per-iteration samples.
 
-Method: the methods are interleaved within each iteration (order rotating) after a barrier, so
-machine noise hits them alike; warm-up iterations first; per-rank median over ``--iters``, then
-the maximum over ranks. Peak memory is the extra memory of one forward+backward over what was
-allocated before it (CPU: peak RSS via ``/proc/self/clear_refs``, with glibc's mmap threshold
-fixed so freed tensors leave RSS; CUDA: ``max_memory_allocated``). Writes ``results.json``,
-``README.md`` and ``syncbn.png`` into ``--out``.
+Peak memory (one forward+backward, beyond what was allocated before): CPU extra peak RSS via
+``/proc/self/clear_refs`` with glibc's mmap threshold fixed, CUDA ``max_memory_allocated``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
-import statistics
-import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from benchmarks import syncbn_report
+from benchmarks.harness import interleave, make_record, median_ci, ratio_ci, wait_for_quiet
 from callbacks.memory import return_freed_memory_above
-from callbacks.run_info import environment
 from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
 QUICK_SHAPES = [(32, 128), (64, 1024), (32, 64, 16, 16)]
+FULL = {"rounds": 10, "iters": 20, "warmup": 5}
+QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
+TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 0.9)}  # baseline, max custom/baseline
 
 
-def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
+             stats: torch.Tensor | None = None) -> Callable[[], None]:
     def run() -> None:
         layer(x.detach().requires_grad_()).backward(grad)
+        if stats is not None:  # the floor: the two all-reduces a synchronised BN cannot avoid
+            dist.all_reduce(stats)
+            dist.all_reduce(stats)
 
     return run
 
 
-def _all_reduce_twice(stats: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        dist.all_reduce(stats)
-        dist.all_reduce(stats)
-
-    return run
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Seconds one call takes on this rank, started after a barrier."""
+def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[str, Callable[[], None]]:
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(shape, generator=generator).to(device)
+    grad = torch.randn(shape, generator=generator).to(device)
+    channels = shape[1]
+    local = nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
+    methods = {
+        "custom": _fwd_bwd(SyncBatchNorm(channels).to(device), x, grad),
+        "local": _fwd_bwd(local(channels).to(device), x, grad),
+        "floor": _fwd_bwd(local(channels).to(device), x, grad, torch.zeros(2 * channels + 1, device=device)),
+    }
     if device.type == "cuda":
-        def cuda_time(fn: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
+        methods["torch_syncbn"] = _fwd_bwd(nn.SyncBatchNorm(channels).to(device), x, grad)
+    return methods
 
-        return cuda_time
 
-    def cpu_time(fn: Callable[[], None]) -> float:
+def aligned_seconds(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one call on this rank, started right after a barrier so all ranks start together."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
         dist.barrier()
-        start = time.perf_counter()
+        start.record()
         fn()
-        return time.perf_counter() - start
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    dist.barrier()
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
 
-    return cpu_time
+
+def _time(methods: dict[str, Callable[[], None]], device: torch.device, cfg: dict) -> dict[str, list[float]]:
+    """Per-iteration seconds of every method on this rank, in interleaved rounds after a warm-up."""
+    for _ in range(cfg["warmup"]):
+        for fn in methods.values():
+            aligned_seconds(fn, device)
+    rounds = interleave(list(methods), cfg["rounds"],
+                        lambda name, _: [aligned_seconds(methods[name], device) for _ in range(cfg["iters"])])
+    # Every rank runs the same order, so sample i of a method is the same iteration on every rank.
+    return {name: [s for block in blocks for s in block] for name, blocks in rounds.items()}
 
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1])
+        return int(next(line for line in status if line.startswith(field + ":")).split()[1])
 
 
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
@@ -112,101 +132,104 @@ def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
     return (_status_kib("VmHWM") - before) * 1024
 
 
-def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[str, Callable]:
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(shape, generator=generator).to(device)
-    grad = torch.randn(shape, generator=generator).to(device)
-    num_features = shape[1]
-    methods = {"custom": _fwd_bwd(SyncBatchNorm(num_features).to(device), x, grad)}
-    if device.type == "cuda":
-        methods["torch_syncbn"] = _fwd_bwd(nn.SyncBatchNorm(num_features).to(device), x, grad)
-    else:
-        local = (nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d)(num_features)
-        methods["local"] = _fwd_bwd(local, x, grad)
-        methods["all_reduce_x2"] = _all_reduce_twice(torch.zeros(2 * num_features + 1))
-    return methods
-
-
-def _time(shape: tuple[int, ...], device: torch.device, rank: int, cfg: dict) -> dict:
-    methods = _methods(shape, device, rank)
-    names, timer = list(methods), _timer(device)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for it in range(cfg["warmup"] + cfg["iters"]):
-        for name in names[it % len(names) :] + names[: it % len(names)]:
-            elapsed = timer(methods[name])
-            if it >= cfg["warmup"]:
-                times[name].append(elapsed)
-    if "local" in times:  # the floor of each iteration, from the same iteration's timings
-        times["floor"] = [a + b for a, b in zip(times["local"], times["all_reduce_x2"])]
-    return {f"{name}_s": statistics.median(values) for name, values in times.items()}
-
-
-def _memory(shape: tuple[int, ...], device: torch.device, rank: int) -> dict:
-    methods = _methods(shape, device, rank)
-    for run in methods.values():  # warm-up: lazy initialisation is not the layer's memory
-        run()
-    result = {}
-    for name, run in methods.items():
-        if name != "all_reduce_x2":
-            dist.barrier()
-            result[f"{name}_peak_bytes"] = _peak_bytes(run, device)
-    return result
-
-
 def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> list[dict]:
+    device = torch.device("cpu")
     if cfg["device"] == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    results = [_time(tuple(shape), device, rank, cfg) for shape in shapes]
-    # Only now (it slows allocation down): make glibc unmap every freed tensor, so that
-    # peak RSS sees each allocation instead of reused heap pages.
-    cfg["mmap_threshold_fixed"] = device.type == "cpu" and return_freed_memory_above(128 * 1024)
-    for result, shape in zip(results, shapes):
-        result.update(_memory(tuple(shape), device, rank), mmap_threshold_fixed=cfg["mmap_threshold_fixed"])
-    return results
+    out = [{"samples": _time(_methods(tuple(shape), device, rank), device, cfg)} for shape in shapes]
+    # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
+    # each allocation instead of reused heap pages.
+    if device.type == "cpu":
+        return_freed_memory_above(128 * 1024)
+    for result, shape in zip(out, shapes):
+        methods = _methods(tuple(shape), device, rank)
+        for fn in methods.values():  # lazy initialisation is not the layer's memory
+            fn()
+        result["peak_bytes"] = {}
+        for name, fn in methods.items():
+            dist.barrier()
+            result["peak_bytes"][name] = _peak_bytes(fn, device)
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def slowest_rank(per_rank: list[list[float]]) -> list[float]:
+    """Per-iteration samples: the slowest rank's time of each barrier-aligned iteration."""
+    return [max(iteration) for iteration in zip(*per_rank, strict=True)]
+
+
+def analyse(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One shape's row: medians, ratios of custom over every other method (CIs), peak memory."""
+    samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
+    return {
+        "shape": list(shape),
+        "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
+        "ratios": {f"custom/{name}": asdict(ratio_ci(samples["custom"], samples[name]))
+                   for name in samples if name != "custom"},
+        "peak_bytes": {name: max(rank["peak_bytes"][name] for rank in per_rank)
+                       for name in per_rank[0].get("peak_bytes", {})},
+        "samples_s": samples,
+    }
+
+
+def shape_name(shape: list[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def headline(rows: list[dict], baseline: str) -> dict[str, Any]:
+    """Flat README-ready numbers: custom over the baseline and over local BN, per shape, and the worst."""
+    out: dict[str, Any] = {}
+    for key in (f"custom/{baseline}", "custom/local"):
+        name = key.replace("/", "_vs_")
+        for row in rows:
+            out[f"{name}_{shape_name(row['shape'])}"] = row["ratios"][key]
+        out[f"{name}_worst"] = max((row["ratios"][key] for row in rows), key=lambda e: e["value"])
+        out[f"{name}_shapes_ci_includes_1"] = sum(syncbn_report.includes_one(row["ratios"][key]) for row in rows)
+    return out
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.syncbn", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/syncbn"))
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
+    parser.add_argument("--iters", type=int, help=f"iterations per method per round (default {FULL['iters']})")
+    parser.add_argument("--shapes", nargs="+", type=lambda s: tuple(map(int, s.split("x"))),
+                        help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--quick", action="store_true", help="3 small shapes, 10 iterations")
+    parser.add_argument("--max-wait-s", type=float, help="wait this long for a quiet machine (300; --quick: 0)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 shapes, 3 rounds of 5 iterations")
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device; none is visible (torch.cuda.is_available())")
-    if args.quick:
-        args.iters, args.warmup = 10, 2
-    shapes = QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    cfg = {**(QUICK if args.quick else FULL), "device": args.device}
+    cfg.update({k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None})
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     backend = "nccl" if gpus >= args.world_size else "gloo"
-    cfg = {"device": args.device, "iters": args.iters, "warmup": args.warmup}
-    load_before = os.getloadavg()
+    quiet = wait_for_quiet(max_wait_s=args.max_wait_s if args.max_wait_s is not None else 0 if args.quick else 300)
     start = time.monotonic()
     per_rank = run_workers(_worker, args.world_size, args=(shapes, cfg), backend=backend,
                            timeout_s=1800.0, threads=args.threads)
-    record = {
-        "command": "python -m benchmarks.syncbn " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "config": {**cfg, "world_size": args.world_size, "backend": backend, "threads": args.threads, "gpus_used": min(gpus, args.world_size)},
-        "environment": environment(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "wall_s": time.monotonic() - start,
-        # Per configuration, every figure is the maximum over ranks.
-        "results": [{"shape": list(shape), **{key: max(rank[i][key] for rank in per_rank)
-                                              for key in per_rank[0][i]}}
-                    for i, shape in enumerate(shapes)],
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    rows = [analyse(shape, [rank[i] for rank in per_rank]) for i, shape in enumerate(shapes)]
+    baseline, target = TARGETS[args.device]
+    config = {**cfg, "world_size": args.world_size, "backend": backend, "threads": args.threads,
+              "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target}
+    record = make_record("syncbn", config, quiet.finish(), headline=headline(rows, baseline), rows=rows,
+                         wall_s=time.monotonic() - start)
+    if argv is not None:  # called from Python: sys.argv is not this benchmark's command line
+        record["command"] = "python -m benchmarks.syncbn " + shlex.join(argv)
     syncbn_report.write(record, args.out)
-    print((args.out / "README.md").read_text())
+    print((args.out / "results.md").read_text())
+    return record
 
 
 if __name__ == "__main__":

@@ -1,148 +1,120 @@
-"""Markdown table, target verdicts and plot for ``python -m benchmarks.syncbn`` (see that module).
+"""results.md and syncbn.png for ``python -m benchmarks.syncbn``, derived from its record only.
 
-Everything is derived from the ``results.json`` record, so a re-run on another machine rewrites
-numbers, verdicts and caveats together.
+Re-render a stored run: ``python -m benchmarks.syncbn_report benchmarks/results/syncbn``.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-
-CPU_TIME_TARGET = 1.2  # custom / (local BN + 2 all-reduces of 2C+1 floats)
-GPU_TIME_TARGET = 0.9  # custom / torch.nn.SyncBatchNorm
-GPU_MEMORY_TARGET = 1.0
+from benchmarks.harness import fmt_estimate, markdown_header, plot_style, table, write_record
 
 
-def _targets(row: dict) -> list[tuple[str, float, float]]:
-    """(name, measured ratio, target) for one configuration."""
-    if "floor_s" in row:
-        return [("time / floor", row["custom_s"] / row["floor_s"], CPU_TIME_TARGET)]
-    return [
-        ("time / nn.SyncBatchNorm", row["custom_s"] / row["torch_syncbn_s"], GPU_TIME_TARGET),
-        ("peak memory / nn.SyncBatchNorm",
-         row["custom_peak_bytes"] / max(row["torch_syncbn_peak_bytes"], 1), GPU_MEMORY_TARGET),
-    ]
+def verdict(ratio: dict[str, float], target: float) -> str:
+    """Met / missed only when the whole 95 % CI is on one side of the target."""
+    if ratio["high"] <= target:
+        return "met"
+    if ratio["low"] > target:
+        return f"**missed** (+{100 * (ratio['value'] / target - 1):.0f} %)"
+    return "undecided (CI spans the target)"
 
 
-def _verdict(ratio: float, target: float) -> str:
-    if ratio <= target:
-        return f"met ({ratio:.2f} <= {target})"
-    return f"MISSED by {100 * (ratio / target - 1):.0f}% ({ratio:.2f} > {target})"
+def includes_one(ratio: dict[str, float]) -> bool:
+    """Whether a ratio's 95 % CI includes 1: no measurable difference."""
+    return ratio["low"] <= 1.0 <= ratio["high"]
 
 
-def _ms(seconds: float) -> str:
-    return f"{1e3 * seconds:.3f}"
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f}"
-
-
-def _table(record: dict) -> list[str]:
-    rows = record["results"]
-    cpu = "floor_s" in rows[0]
-    if cpu:
-        header = ("| shape per rank | custom ms | local BN ms | 2 all-reduces ms | floor ms | custom / floor "
-                  "| custom peak MiB | local peak MiB | target |")
+def _summary(record: dict[str, Any]) -> list[str]:
+    cfg, rows = record["config"], record["rows"]
+    key, target = f"custom/{cfg['baseline']}", cfg["target"]
+    verdicts = [verdict(row["ratios"][key], target).split(" ")[0].strip("*") for row in rows]
+    tied = [_shape(row) for row in rows if includes_one(row["ratios"][key])]
+    lines = [f"**custom / {cfg['baseline']} <= {target}: met in {verdicts.count('met')}, missed in "
+             f"{verdicts.count('missed')}, undecided in {verdicts.count('undecided')} of {len(rows)} shapes.**", ""]
+    if tied:
+        lines.append(f"The CI of custom / {cfg['baseline']} includes 1 for {', '.join(tied)}: there the "
+                     f"measurement cannot tell the custom layer from the {cfg['baseline']} at all.")
     else:
-        header = ("| shape per rank | custom ms | nn.SyncBatchNorm ms | time ratio | custom peak MiB "
-                  "| nn.SyncBatchNorm peak MiB | memory ratio | target |")
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for row in rows:
-        shape = "x".join(map(str, row["shape"]))
-        verdicts = "; ".join(f"{name}: {_verdict(r, t)}" for name, r, t in _targets(row))
-        if cpu:
-            cells = [shape, _ms(row["custom_s"]), _ms(row["local_s"]), _ms(row["all_reduce_x2_s"]),
-                     _ms(row["floor_s"]), f"{row['custom_s'] / row['floor_s']:.2f}",
-                     _mib(row["custom_peak_bytes"]), _mib(row["local_peak_bytes"]), verdicts]
-        else:
-            ratios = _targets(row)
-            cells = [shape, _ms(row["custom_s"]), _ms(row["torch_syncbn_s"]), f"{ratios[0][1]:.2f}",
-                     _mib(row["custom_peak_bytes"]), _mib(row["torch_syncbn_peak_bytes"]),
-                     f"{ratios[1][1]:.2f}", verdicts]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"The CI of custom / {cfg['baseline']} excludes 1 for every shape.")
     return lines
 
 
-def _summary(record: dict) -> list[str]:
-    checks = [(name, ratio, target) for row in record["results"] for name, ratio, target in _targets(row)]
-    missed = [(name, ratio, target) for name, ratio, target in checks if ratio > target]
-    lines = [f"**Targets met in {len(checks) - len(missed)} of {len(checks)} checks.**"]
-    if missed:
-        worst = max(missed, key=lambda m: m[1] / m[2])
-        lines.append(f"Worst miss: {worst[0]} = {worst[1]:.2f} vs target {worst[2]} "
-                     f"({100 * (worst[1] / worst[2] - 1):.0f}% over).")
-    return lines
+def _shape(row: dict[str, Any]) -> str:
+    return "x".join(map(str, row["shape"]))
 
 
-def _caveats(record: dict) -> list[str]:
-    env, load = record["environment"], record["load_average"]
-    busy = max(load["before"][0], load["after"][0])
-    lines = []
-    if busy > 0.5 * env["cpu_count"]:
-        lines.append(f"- The machine was busy during this run (1-min load average up to {busy:.1f} on "
-                     f"{env['cpu_count']} cores): absolute times are inflated and noisy; the ratios "
-                     "come from interleaved timings in the same iterations but still carry that noise.")
-    if record["config"]["device"] == "cpu":
-        lines.append("- CPU peak memory is extra peak RSS over one forward+backward (page granularity, "
-                     "glibc mmap threshold fixed at 128 KiB for that measurement only).")
-    return lines
+def _ms(estimate: dict[str, float]) -> str:
+    return fmt_estimate(estimate, scale=1e3, digits=3)
 
 
-def _plot(record: dict, path: Path) -> None:
-    rows = record["results"]
-    labels = ["x".join(map(str, row["shape"])) for row in rows]
-    baseline = "floor_s" if "floor_s" in rows[0] else "torch_syncbn_s"
-    target = CPU_TIME_TARGET if baseline == "floor_s" else GPU_TIME_TARGET
-    fig, (ax_time, ax_ratio) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    series = ["custom_s", "local_s", baseline] if baseline == "floor_s" else ["custom_s", baseline]
-    width = 0.8 / len(series)
-    for i, key in enumerate(series):
-        ax_time.bar([x + i * width for x in range(len(rows))], [1e3 * row[key] for row in rows],
-                    width, label=key.removesuffix("_s"))
-    ax_time.set_yscale("log")
-    ax_time.set_ylabel("forward+backward, ms (median, max over ranks)")
-    ax_time.legend()
-    ax_ratio.bar(range(len(rows)), [row["custom_s"] / row[baseline] for row in rows])
-    ax_ratio.axhline(target, color="red", linestyle="--", label=f"target {target}x")
-    ax_ratio.set_ylabel(f"custom / {baseline.removesuffix('_s')}")
-    ax_ratio.set_xticks(range(len(rows)), labels, rotation=45, ha="right")
-    ax_ratio.legend()
-    config = record["config"]
-    fig.suptitle(f"SyncBatchNorm, {config['world_size']} ranks, {config['device']} / {config['backend']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _table(record: dict[str, Any]) -> list[str]:
+    cfg, rows = record["config"], record["rows"]
+    methods = list(rows[0]["median_s"])
+    key = f"custom/{cfg['baseline']}"
+    keys = [key, *(k for k in rows[0]["ratios"] if k != key)]  # the target's ratio first
+    headers = ["shape per rank", *(f"{m} ms" for m in methods), *(k.replace("/", " / ") for k in keys),
+               f"{key} vs target {cfg['target']}", f"{key} CI includes 1?", "custom peak MiB", "local peak MiB"]
+    body = [[_shape(row), *(_ms(row["median_s"][m]) for m in methods),
+             *(fmt_estimate(row["ratios"][k], digits=2) for k in keys),
+             verdict(row["ratios"][key], cfg["target"]), "yes" if includes_one(row["ratios"][key]) else "no",
+             f"{row['peak_bytes'].get('custom', 0) / 2**20:.2f}", f"{row['peak_bytes'].get('local', 0) / 2**20:.2f}"]
+            for row in rows]
+    return table(headers, body)
 
 
-def write(record: dict, out: Path) -> None:
-    """Write ``README.md`` and ``syncbn.png`` for ``record`` into ``out``."""
-    config, env = record["config"], record["environment"]
+def _errorbar(ax: Any, x: list[float], estimates: list[dict], scale: float = 1.0, **kwargs: Any) -> None:
+    ax.errorbar(x, [scale * e["value"] for e in estimates], capsize=3, marker="o", linestyle="none", **kwargs,
+                yerr=[[scale * (e["value"] - e["low"]) for e in estimates],
+                      [scale * (e["high"] - e["value"]) for e in estimates]])
+
+
+def _plot(record: dict[str, Any], path: Path) -> None:
+    rows, cfg = record["rows"], record["config"]
+    methods, ratios = list(rows[0]["median_s"]), [f"custom/{cfg['baseline']}", "custom/local"]
+    with plot_style() as plt:
+        fig, (ax_time, ax_ratio) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+        for i, method in enumerate(methods):  # side by side around each shape's tick
+            offset = 0.6 * (i / (len(methods) - 1) - 0.5)
+            _errorbar(ax_time, [j + offset for j in range(len(rows))], [r["median_s"][method] for r in rows],
+                      scale=1e3, label=method)
+        for offset, key in zip((-0.15, 0.15), ratios):
+            _errorbar(ax_ratio, [j + offset for j in range(len(rows))], [r["ratios"][key] for r in rows], label=key)
+        ax_ratio.axhline(1.0, color="grey", linewidth=1)
+        ax_ratio.axhline(cfg["target"], color="red", linestyle="--", label=f"target {cfg['target']}x {cfg['baseline']}")
+        ax_time.set(yscale="log", ylabel="forward+backward ms (median, slowest rank, 95 % CI)")
+        ax_ratio.set(yscale="log", ylabel="ratio of medians (95 % CI)")
+        ax_ratio.set_xticks(range(len(rows)), [_shape(row) for row in rows], rotation=45, ha="right")
+        for ax in (ax_time, ax_ratio):
+            ax.legend()
+        fig.suptitle(f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
+    cfg = record["config"]
     lines = [
-        "# SyncBatchNorm: forward+backward time and peak memory",
-        "",
-        f"Command: `{record['command']}`",
-        "",
-        f"- Device: {config['device']} ({', '.join(env['gpus']) or env['cpu']}), backend "
-        f"{config['backend']}, world size {config['world_size']}, {config['threads']} thread(s) per rank",
-        f"- torch {env['versions'].get('torch')}, lightning {env['versions'].get('lightning')}, "
-        f"Python {env['python']}, {env['platform']}",
-        f"- {config['iters']} timed iterations after {config['warmup']} warm-up; median per rank, "
-        f"then max over ranks; methods interleaved within each iteration. Wall time "
-        f"{record['wall_s']:.0f} s.",
-        "",
-        *_summary(record),
-        "",
-        *_table(record),
-        "",
-        *_caveats(record),
-        "",
-        "![time and ratio per configuration](syncbn.png)",
+        *markdown_header(record, "SyncBatchNorm: forward+backward time and peak memory"),
+        f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} interleaved "
+        f"rounds x {cfg['iters']} iterations per method after {cfg['warmup']} warm-up; one sample = the slowest "
+        f"rank's time of one barrier-aligned iteration. `floor` = local BN + 2 all-reduces of 2C+1 floats, "
+        f"timed as one call. Wall time {record['wall_s']:.0f} s.", "",
+        *_summary(record), "",
+        *_table(record), "",
+        "Times: median ms [95 % CI]. Ratios: ratio of medians [95 % CI]. Peak memory: extra memory of one "
+        "forward+backward (CPU: peak RSS, page granularity, glibc mmap threshold fixed at 128 KiB for that "
+        "measurement only; CUDA: max_memory_allocated), max over ranks.", "",
+        "![time and ratios per shape](syncbn.png)",
     ]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    write_record(out, record, lines)
     _plot(record, out / "syncbn.png")
+
+
+if __name__ == "__main__":
+    results_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/syncbn")
+    write(json.loads((results_dir / "results.json").read_text()), results_dir)
