@@ -207,3 +207,28 @@ def test_layout_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, l
         warnings.simplefilter("always")
         assert _choose_layout(num_samples, 2, loader, limit) == layout
     assert any("padded layout" in str(w.message) for w in caught) == (layout == "strided_padded")
+
+
+def test_reloaded_dataloaders_are_rescattered_every_epoch(tmp_path) -> None:
+    module = EvalModule(tmp_path)
+    trainer = _trainer(_custom(), max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=1)
+    trainer.fit(module)
+    _assert_each_sample_once(tmp_path, "val")  # the last epoch's loaders: re-scattered, still once each
+    actual = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    module.out_dir = None
+    _assert_metrics_equal(actual, _single_process("val", module), "val")
+
+
+class _IterableSamples(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        data = IndexedDataset()
+        return (data[i] for i in range(len(data)))
+
+
+def test_iterable_eval_loader_is_used_as_lightning_makes_it() -> None:
+    # Lightning does not shard an IterableDataset (ddp neither): every rank evaluates what it
+    # yields, and the metrics keep their own sync, so the count is world_size x the samples.
+    module = EvalModule()
+    module.val_dataloader = lambda: DataLoader(_IterableSamples(), batch_size=4)
+    actual = _trainer(_custom()).validate(module, verbose=False)[0]
+    assert actual["val/count"] == 2 * NUM_SAMPLES
