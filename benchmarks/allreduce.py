@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import tempfile
 import time
@@ -43,7 +42,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import allreduce_report
-from benchmarks.harness import interleave, make_record, median_ci, ratio_ci, wait_for_quiet
+from benchmarks.harness import (
+    aligned_seconds, interleave, make_record, median_ci, ratio_ci, slowest_rank, wait_for_quiet,
+)
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from collectives.launcher import run_workers
 
@@ -80,21 +81,13 @@ def _status_kib(field: str) -> int | None:
         return None
 
 
-def _aligned_seconds(fn: Callable[[], Any]) -> float:
-    """Seconds of one call on this rank, started right after a barrier so all ranks start together."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _time_methods(data: torch.Tensor, cfg: dict) -> dict[str, list[float]]:
     """Per-iteration seconds of every method on this rank: warm-up, then interleaved rounds."""
     work = torch.empty_like(data)
 
     def once(name: str) -> float:
         work.copy_(data)  # every call averages the same input; the copy is outside the timing
-        return _aligned_seconds(lambda: METHODS[name](work))
+        return aligned_seconds(lambda: METHODS[name](work))
 
     for _ in range(cfg["warmup"]):
         for name in METHODS:
@@ -147,11 +140,6 @@ def compare_worker(rank: int, world_size: int, numels: list[int], cfg: dict, see
     return out
 
 
-def slowest_rank(per_rank: list[list[float]]) -> list[float]:
-    """Per-iteration samples: the slowest rank's time of each barrier-aligned iteration."""
-    return [max(iteration) for iteration in zip(*per_rank, strict=True)]
-
-
 def compare_row(world_size: int, numel: int, per_rank: list[dict], cores: int) -> dict[str, Any]:
     """One (world size, size) row: medians and ratios to dist.all_reduce with CIs, accuracy, memory."""
     samples = {name: slowest_rank([r[numel]["samples"][name] for r in per_rank]) for name in METHODS}
@@ -191,7 +179,7 @@ def bandwidth_worker(rank: int, world_size: int, numel: int, warmup: int, repeat
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return [_aligned_seconds(call) for _ in range(warmup + repeats)][warmup:]
+    return [aligned_seconds(call) for _ in range(warmup + repeats)][warmup:]
 
 
 def _bandwidth_one(world_size: int, nbytes: int, backend: str, tmp: Path, cores: int) -> dict:
@@ -278,10 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = cfg | {"seed": args.seed, "device": args.device, "threads_per_process": 1, "cores": cores}
-    record = make_record("allreduce", config, quiet.finish(), headline=headline(compare, bandwidth),
+    record = make_record("allreduce", config, quiet.finish(), argv=argv, headline=headline(compare, bandwidth),
                          compare=compare, bandwidth=bandwidth, wall_s=time.monotonic() - started)
-    if argv is not None:  # called from Python: sys.argv is not this benchmark's command line
-        record["command"] = "python -m benchmarks.allreduce " + shlex.join(argv)
     allreduce_report.write(record, args.out)
     print(f"wrote {args.out}/results.json, results.md and plots", flush=True)
     return record

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import fmt_estimate, markdown_header, plot_style, table, write_record
+from benchmarks.harness import (
+    fmt_estimate, markdown_header, plot_style, save_figure, table, verdict, write_record,
+)
 
 RING_TARGET_RATIO = 1.5
 RING_TARGET_WORLD_SIZES = (2, 4, 8)
@@ -28,15 +30,6 @@ def _fmt_bytes(nbytes: float) -> str:
 
 def _shared(row: dict[str, Any]) -> str:
     return "yes" if row["oversubscribed"] else "no"
-
-
-def verdict(ratio: dict[str, float], target: float) -> str:
-    """Met / missed only when the whole 95 % CI is on one side of the target."""
-    if ratio["high"] <= target:
-        return "met"
-    if ratio["low"] > target:
-        return f"**missed** (+{100 * (ratio['value'] / target - 1):.0f} %)"
-    return "undecided (CI spans the target)"
 
 
 def _targets(record: dict[str, Any]) -> list[str]:
@@ -154,9 +147,7 @@ def _plot_compare(plt: Any, record: dict[str, Any], path: Path) -> None:
         _mark_oversubscribed(ax, world_sizes, cores, log=True)
         ax.legend()
     fig.suptitle(f"ring / butterfly / dist.all_reduce on gloo, {cores} cores (shaded: more ranks than cores)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _plot_bandwidth(plt: Any, record: dict[str, Any], path: Path) -> None:
@@ -181,9 +172,7 @@ def _plot_bandwidth(plt: Any, record: dict[str, Any], path: Path) -> None:
         ax.legend()
     backends = "/".join(sorted({r["backend"] for r in rows}))
     fig.suptitle(f"dist.all_reduce ({backends}), {cores} cores (dashed / shaded: more ranks than cores)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write(record: dict[str, Any], out_dir: Path) -> None:

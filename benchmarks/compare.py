@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     accuracy, curves = _accuracy(cfg, out, accumulate=2 if 2 in cfg.accumulates else cfg.accumulates[0])
     collectives = _collectives(cfg, out)
     analysis = analyse(timing)
-    record = make_record("compare", asdict(cfg), quiet.finish(), headline=headline(analysis, accuracy),
+    record = make_record("compare", asdict(cfg), quiet.finish(), argv=argv, headline=headline(analysis, accuracy),
                          analysis=analysis, accuracy=accuracy, collectives=collectives,
                          variants={k: asdict(v) for k, v in VARIANTS.items()},
                          runs={acc: {v: [{"command": r["command"], "wall_s": r["wall_s"],

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare_runs import VARIANTS
-from benchmarks.harness import plot_style
+from benchmarks.harness import plot_style, save_figure
 
 __all__ = ["plot_curves", "plot_step_time"]
 
@@ -33,9 +33,7 @@ def plot_step_time(analysis: dict[str, dict[str, Any]], path: Path, comparable: 
         title = "optimizer step time, median and 95 % CI (2 CPU processes; ddp uses local BN on CPU)"
         ax.set(ylabel="ms", title=title if comparable else "NOT COMPARABLE (busy machine): " + title)
         ax.legend(ncol=3, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def plot_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> None:
@@ -55,6 +53,4 @@ def plot_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Pat
                             linestyle="none", label=f"{VARIANTS[name].label} test")
             ax.set(title=f"{title}: SYNTHETIC stand-in data, not CIFAR-100", xlabel="epoch")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        save_figure(fig, path)

@@ -20,7 +20,9 @@ from typing import Any
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.compare_runs import VARIANTS
-from benchmarks.harness import difference_ci, fmt_estimate, markdown_header, median_ci, ratio_ci, table
+from benchmarks.harness import (
+    difference_ci, fmt_estimate, markdown_header, median_ci, ratio_ci, slowest_rank, table,
+)
 
 __all__ = ["analyse", "read_scalars", "render_markdown", "step_samples"]
 
@@ -33,11 +35,7 @@ TWO_PROCESS = ("custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned")
 
 def step_samples(runs: list[dict[str, Any]]) -> list[float]:
     """Per-step times (max over ranks) of every round of one variant, pooled."""
-    samples: list[float] = []
-    for run in runs:
-        per_rank = run["benchmark"]["step_s_per_rank"]
-        samples += [max(step) for step in zip(*per_rank)]
-    return samples
+    return [step for run in runs for step in slowest_rank(run["benchmark"]["step_s_per_rank"])]
 
 
 def _estimate(e: Any) -> dict[str, float]:

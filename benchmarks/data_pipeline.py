@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -38,8 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
 from benchmarks.harness import (
-    fmt_estimate, interleave, make_record, markdown_header, median_ci, plot_style, ratio_ci, table,
-    wait_for_quiet, write_record,
+    fmt_estimate, interleave, make_record, markdown_header, median_ci, plot_style, ratio_ci, save_figure, table, wait_for_quiet, write_record,
 )
 from lit_cifar.data import TensorImageDataset
 from lit_cifar.transforms import CIFAR100_MEAN, CIFAR100_STD, augment, normalize
@@ -168,9 +166,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
                      [rates[n]["high"] - rates[n]["value"] for n in names]], capsize=3)
         ax.set(ylabel="images / s (median, 95 % CI)", yscale="log", title="CIFAR train augmentation, CPU")
         ax.tick_params(axis="x", labelrotation=20)
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -187,9 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s if args.max_wait_s is not None else 0 if args.quick else 300)
     result = analyse(measure(cfg))
-    record = make_record("data_pipeline", cfg, quiet.finish(), headline=headline(result), **result)
-    if argv is not None:  # called from Python: sys.argv is not this benchmark's command line
-        record["command"] = "python -m benchmarks.data_pipeline " + shlex.join(argv)
+    record = make_record("data_pipeline", cfg, quiet.finish(), argv=argv, headline=headline(result), **result)
     lines = _markdown(record)
     write_record(args.out, record, lines)
     _plot(record, args.out / "throughput.png")

@@ -5,27 +5,43 @@ Usage (from the repository root)::
     python -m benchmarks.grad_sync --out benchmarks/results/grad_sync          # full run
     python -m benchmarks.grad_sync --out /tmp/grad_sync --quick                # smoke run
 
-Two ranks (gloo on CPU), one intra-op thread each, train a deep MLP and a CIFAR-sized ResNet-18
-(SGD with momentum, one fixed batch per rank). For every variant (``none`` = no communication,
-the four SyncedDataParallel modes with bucketed at several caps, torch DDP) and every step:
-step time (the slower rank's, after a barrier) and time waiting in ``finish()``; peak memory
-(RSS high-water mark above the built model) comes from a separate, untimed run.
-"Communication alone" is the variant's bucket layout all-reduced with nothing else running.
-Share hidden behind backward, two ways, each clipped to [0, 1]: ``1 - finish() wait / comm
-alone`` (what backward did not cover) and ``1 - (step - step of none) / comm alone`` (which
-also charges the slowdown of compute sharing the cores with communication). Variants run
-interleaved for ``--rounds`` rounds so that load drifts hit all of them alike. The ZeRO-1 table
-counts AdamW state bytes per rank, sharded vs unsharded. Results: ``results.json``,
-``README.md`` and plots in ``--out`` (see :mod:`benchmarks.grad_sync_report`).
+Two ranks (gloo on CPU, one intra-op thread each) train a deep MLP and a CIFAR-sized ResNet-18
+(SGD with momentum, one fixed batch per rank). Variants: the four SyncedDataParallel modes,
+``bucketed`` at caps of 1-1000 MiB, bf16 wire compression and ZeRO-1, against two torch DDP
+anchors that every ratio names:
+
+- ``ddp_default``: DDP as users get it (``gradient_as_bucket_view=False``, buffers broadcast
+  before every forward).
+- ``ddp_tuned``: ``gradient_as_bucket_view=True, forward_sync_buffers=False`` (torch >= 2.13's
+  name for ``broadcast_buffers=False``). SyncedDataParallel broadcasts buffers only at
+  construction, so this is the like-for-like anchor.
+
+Timing (:mod:`benchmarks.harness`): every round starts each variant in fresh processes, in the
+order the harness's ``interleave`` alternates, so load drift hits all variants alike. Before each
+step the ranks meet at a barrier; the step's time is the slower rank's. Medians carry bootstrap
+95 % intervals, ratios to an anchor carry the interval of the ratio of medians.
+
+Exposed communication = step time minus the ``no_comm`` step time. ``no_comm`` runs the same
+model, batch and SyncedDataParallel (``bucketed``) on the same two ranks, with every backward
+inside ``no_sync()``: no collective at all. Two ranks rather than one, because the two processes
+share the machine's cores and memory bandwidth; one rank alone would get a quieter machine and
+overstate what communication costs. The difference is not clipped: a value below zero is noise.
+It also charges communication for the compute it slows down (gloo reduces on the same cores that
+run backward), which ``finish()`` wait time cannot see; that wait is kept only as a diagnostic.
+
+Untimed, per variant: peak RSS above the built model (callbacks/memory.py PeakMemory, with freed
+memory returned to the kernel) over a few steps, then one step under torch.profiler counting
+``c10d::`` collectives and the bytes gloo moved (exact, hardware-independent). ZeRO-1: AdamW state
+bytes per rank, sharded vs unsharded, at 2 and 4 ranks. Output: ``results.json`` (with a flat
+``headline`` dict), ``results.md`` and ``grad_sync.png`` (see :mod:`benchmarks.grad_sync_report`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import math
 import os
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,42 +53,45 @@ import torchvision
 from torch import nn
 
 from benchmarks import grad_sync_report
+from benchmarks.harness import interleave, make_record, slowest_rank, wait_for_quiet
 from callbacks.memory import PeakMemory, return_freed_memory_above
-from callbacks.run_info import environment
-from parallel.buckets import assign_buckets
-from parallel.grad_sync import SyncedDataParallel
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB
 from collectives.launcher import run_workers
+from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
 
 WORLD_SIZE = 2
 _MiB = 2**20
-# The anchor is torch DDP as users get it (no options); its effective settings are read back
-# from the wrapper and recorded next to the numbers. "ddp_tuned" turns on what saves memory/time.
+NO_COMM = "no_comm"
+DDP_DEFAULT = {"gradient_as_bucket_view": False}  # everything else: torch's defaults
 DDP_TUNED = {"gradient_as_bucket_view": True, "forward_sync_buffers": False}
 _DDP_SETTINGS = ("bucket_bytes_cap", "gradient_as_bucket_view", "forward_sync_buffers")
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "none": ("none", {}),
+    NO_COMM: ("sdp", {"mode": "bucketed"}),  # trained inside no_sync(): see the docstring
     "per_param": ("sdp", {"mode": "per_param"}),
     "flat": ("sdp", {"mode": "flat"}),
     "per_param_overlap": ("sdp", {"mode": "per_param_overlap"}),
-    **{
-        f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap})
-        for cap in (1, 10, 25, 100, 1000)
-    },
+    **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap})
+       for cap in (1, 10, 25, 100, 1000)},
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
-    "ddp": ("ddp", {}),
+    "ddp_default": ("ddp", DDP_DEFAULT),
     "ddp_tuned": ("ddp", DDP_TUNED),
 }
+# Per-step samples pool over rounds; several rounds (fresh processes each) put run-to-run
+# spread into the intervals, which matters more here than more steps per run.
 FULL = {"mlp_width": 1024, "mlp_depth": 16, "mlp_batch": 64, "resnet_batch": 32,
-        "warmup": 3, "steps": 10, "rounds": 2, "comm_repeats": 5, "memory_steps": 3}
-QUICK = {"mlp_width": 256, "mlp_depth": 8, "mlp_batch": 16, "resnet_batch": 4,
-         "warmup": 1, "steps": 3, "rounds": 1, "comm_repeats": 2, "memory_steps": 2}
+        "warmup": 2, "steps": 8, "rounds": 5, "probe_steps": 3}
+QUICK = {"mlp_width": 128, "mlp_depth": 4, "mlp_batch": 8, "resnet_batch": 2,
+         "warmup": 1, "steps": 2, "rounds": 2, "probe_steps": 2}
+# --quick: every mode, both anchors, compression, ZeRO-1 and two caps (the other caps add no code path).
+QUICK_VARIANTS = [NO_COMM, "ddp_tuned", "ddp_default", "per_param", "flat", "per_param_overlap",
+                  "bucketed_1mb", "bucketed_25mb", "bucketed_25mb_bf16", "bucketed_25mb_zero1"]
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8,
+                "int": 4, "unsigned char": 1, "bool": 1}
 
 
-def build_model(name: str, cfg: dict) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The network and one fixed (input, target) batch for this rank."""
+def build_model(name: str, cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The network and one fixed (input, target) batch."""
     if name == "mlp":
         width, depth = cfg["mlp_width"], cfg["mlp_depth"]
         layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
@@ -85,110 +104,105 @@ def build_model(name: str, cfg: dict) -> tuple[nn.Module, torch.Tensor, torch.Te
     return net, x, torch.randint(0, 100, (x.shape[0],))
 
 
-def _wrap(net: nn.Module, kind: str, options: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _setup(rank: int, model_name: str, variant: str, cfg: dict[str, Any]) -> tuple[Any, ...]:
+    """Identical weights on every rank, different data per rank, the variant's wrapper."""
+    torch.manual_seed(0)
+    net, x, y = build_model(model_name, cfg)
+    torch.manual_seed(rank)
+    x, y = torch.randn_like(x), torch.randint(0, 100, y.shape)
+    kind, options = VARIANTS[variant]
     options = dict(options)
     zero1 = options.pop("zero1", False)
-    if kind == "sdp":
-        model: nn.Module = SyncedDataParallel(net, **options)
-    elif kind == "ddp":
-        model = nn.parallel.DistributedDataParallel(net, **options)
-    else:
-        model = net
+    model = SyncedDataParallel(net, **options) if kind == "sdp" else \
+        nn.parallel.DistributedDataParallel(net, **options)
     sgd = {"lr": 0.01, "momentum": 0.9}
-    if zero1:
-        return model, ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd)
-    return model, torch.optim.SGD(net.parameters(), **sgd)
+    optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd) if zero1 else \
+        torch.optim.SGD(net.parameters(), **sgd)
+    return model, optimizer, x, y
 
 
-def _train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> tuple[float, float]:
-    """One step: its seconds, and the clock when backward and finish() ended.
-
-    ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all processes of the machine,
-    so the ranks' stamps compare directly.
-    """
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor, variant: str) -> tuple[float, float]:
+    """One step's seconds, and the seconds spent in ``finish()`` (SyncedDataParallel only)."""
+    local: contextlib.AbstractContextManager[Any] = (
+        model.no_sync() if variant == NO_COMM else contextlib.nullcontext())
     start = time.perf_counter()
-    nn.functional.cross_entropy(model(x), y).backward()
+    with local:
+        nn.functional.cross_entropy(model(x), y).backward()
     backward_done = time.perf_counter()
     if isinstance(model, SyncedDataParallel):
         model.finish()
-    finished = time.perf_counter()
+    finish_s = time.perf_counter() - backward_done
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, backward_done, finished
+    return time.perf_counter() - start, finish_s
 
 
-def _comm_alone(model: nn.Module, net: nn.Module, repeats: int) -> list[float]:
-    """Seconds to all-reduce this variant's bucket layout with nothing else running."""
-    if isinstance(model, SyncedDataParallel):
-        buffers, blocking = [b.buffer for b in model.buckets], model.mode == "per_param"
-    else:  # DDP's layout: 25 MiB buckets, 1 MiB first, in reverse registration order
-        params = [p for p in net.parameters() if p.requires_grad][::-1]
-        groups = assign_buckets(params, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB)
-        buffers, blocking = [torch.zeros(sum(params[i].numel() for i in g)) for g in groups], False
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        works = []
-        for buffer in buffers:
-            works.append(dist.all_reduce(buffer, async_op=True))
-            if blocking:
-                works.pop().wait()
-        for work in works:
-            work.wait()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _setup(rank: int, model_name: str, variant: str, cfg: dict) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    net, x, y = build_model(model_name, cfg)  # identical weights; DDP/SDP broadcast anyway
-    torch.manual_seed(rank)
-    x, y = torch.randn_like(x), torch.randint(0, 100, y.shape)  # different data per rank
-    kind, options = VARIANTS[variant]
-    return net, x, y, kind, options
-
-
-def step_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: dict) -> dict:
-    """Per-step times on this rank, and the variant's communication timed alone."""
-    net, x, y, kind, options = _setup(rank, model_name, variant, cfg)
-    model, optimizer = _wrap(net, kind, options)
-    steps, stamps = [], []
+def step_worker(rank: int, world_size: int, model_name: str, variant: str,
+                cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """This rank's per-step seconds and ``finish()`` seconds after the warm-up steps."""
+    model, optimizer, x, y = _setup(rank, model_name, variant, cfg)
+    steps, finishes = [], []
     for i in range(cfg["warmup"] + cfg["steps"]):
-        dist.barrier()
-        step_s, backward_done, finished = _train_step(model, optimizer, x, y)
+        dist.barrier()  # every step starts together, so the slower rank's time is the step's
+        step_s, finish_s = _train_step(model, optimizer, x, y, variant)
         if i >= cfg["warmup"]:
             steps.append(step_s)
-            stamps.append((backward_done, finished))
-    comm = [] if kind == "none" else _comm_alone(model, net, cfg["comm_repeats"])
-    buckets = len(model.buckets) if isinstance(model, SyncedDataParallel) else None
-    settings = {k: getattr(model, k, None) for k in _DDP_SETTINGS} if kind == "ddp" else None
-    return {"step_s": steps, "stamps": stamps, "comm_alone_s": comm, "buckets": buckets,
-            "ddp_settings": settings}
+            finishes.append(finish_s)
+    return {"step_s": steps, "finish_s": finishes}
 
 
-def memory_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: dict) -> int:
-    """Peak RSS over wrapping and a few steps, above the built model (untimed run)."""
-    # Only in this untimed run: freed transients must leave the RSS (see the helper).
-    return_freed_memory_above(_MiB)
-    net, x, y, kind, options = _setup(rank, model_name, variant, cfg)
+def count_collectives(events: Any) -> dict[str, dict[str, float]]:
+    """Per collective (``allreduce``, ``broadcast``...): calls and bytes, from raw profiler events.
+
+    Calls are the dispatcher's ``c10d::<op>_`` events (whoever issued them: our engine or DDP's
+    C++ reducer); bytes come from gloo's own ``gloo:<op>`` events, which carry shape and dtype.
+    ``events`` are kineto's raw events (``name()``, ``shapes()``, ``dtypes()``): the public
+    ``profile.events()`` first builds the whole op tree, about a second per ResNet-18 step.
+    """
+    counts: dict[str, dict[str, float]] = {}
+    for event in events:
+        prefix, _, op = event.name().rpartition(":")
+        if prefix not in ("c10d:", "gloo"):
+            continue
+        entry = counts.setdefault(op.replace("_", ""), {"count": 0, "bytes": 0})
+        if prefix == "c10d:":
+            entry["count"] += 1
+            continue
+        for shape, dtype in zip(event.shapes(), event.dtypes()):
+            entry["bytes"] += _DTYPE_BYTES.get(dtype, float("nan")) * math.prod(shape)
+    return counts
+
+
+def probe_worker(rank: int, world_size: int, model_name: str, variant: str,
+                 cfg: dict[str, Any]) -> dict[str, Any]:
+    """Untimed: peak RSS over wrapping and a few steps, then one profiled step's collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # silence kineto's "no GPU" error lines
+    return_freed_memory_above(_MiB)  # freed transients must leave the RSS (see the helper)
     memory = PeakMemory(torch.device("cpu"))
     memory.start()
     baseline = memory.stop()["peak_bytes"]
     memory.start()
-    model, optimizer = _wrap(net, kind, options)
-    for _ in range(cfg["memory_steps"]):
-        _train_step(model, optimizer, x, y)
-    return int(memory.stop()["peak_bytes"] - baseline)
+    model, optimizer, x, y = _setup(rank, model_name, variant, cfg)
+    for _ in range(cfg["probe_steps"]):  # DDP rebuilds its buckets after the first step
+        _train_step(model, optimizer, x, y, variant)
+    peak = memory.stop()["peak_bytes"] - baseline
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _train_step(model, optimizer, x, y, variant)
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    collectives = count_collectives(prof.profiler.kineto_results.events())
+    return {"peak_bytes": int(peak), "collectives": collectives,
+            "buckets": len(model.buckets) if isinstance(model, SyncedDataParallel) else None,
+            "ddp_settings": {k: getattr(model, k, None) for k in _DDP_SETTINGS} if ddp else None}
 
 
-def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict) -> dict:
+def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict[str, Any]) -> dict[str, int]:
     """AdamW state bytes on this rank after one step, sharded and unsharded."""
     torch.manual_seed(0)
     net, x, y = build_model(model_name, cfg)
-    out = {}
+    out = {"param_bytes": sum(p.numel() * p.element_size() for p in net.parameters())}
     for name, optimizer in (
         ("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
         ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)),
@@ -198,53 +212,48 @@ def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict) -> dict:
         net.zero_grad(set_to_none=True)
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         out[name] = sum(v.numel() * v.element_size() for v in state)
-    out["param_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
     return out
 
 
-def _merge(per_rank: list[dict]) -> dict:
-    """Per step the slower rank's time (ranks start each step together after a barrier)."""
-    slowest = [max(times) for times in zip(*(r["step_s"] for r in per_rank))]
-    # Exposed communication: from the LAST rank's end of backward to the last finish(). A fast
-    # rank's own wait also covers the slow rank's remaining backward, which is not communication.
-    waits = [
-        max(0.0, max(f for _, f in step) - max(b for b, _ in step))
-        for step in zip(*(r["stamps"] for r in per_rank))
-    ]
-    comm = [max(times) for times in zip(*(r["comm_alone_s"] for r in per_rank))]
-    return {"step_s": slowest, "wait_s": waits, "comm_alone_s": comm,
-            "buckets": per_rank[0]["buckets"], "ddp_settings": per_rank[0]["ddp_settings"]}
+class _Runner:
+    """Launches one fresh 2-rank group per call, each with its own rendezvous file."""
+
+    def __init__(self, tmp: Path) -> None:
+        self._tmp, self._calls = tmp, 0
+
+    def __call__(self, fn: Any, args: tuple[Any, ...], world_size: int = WORLD_SIZE) -> list[Any]:
+        self._calls += 1
+        return run_workers(fn, world_size, args=args, init_file=self._tmp / f"store_{self._calls}",
+                           timeout_s=600)
 
 
-def run_steps(cfg: dict, models: list[str], variants: list[str], tmp: Path) -> dict:
-    samples: dict[str, dict[str, dict]] = {m: {} for m in models}
-    for round_index in range(cfg["rounds"]):
-        for model_name in models:
-            for variant in variants:
-                store = tmp / f"store_{round_index}_{model_name}_{variant}"
-                args = (model_name, variant, cfg)
-                merged = _merge(run_workers(step_worker, WORLD_SIZE, args=args, init_file=store,
-                                            timeout_s=600))
-                print(f"round {round_index} {model_name:8s} {variant:22s} step "
-                      f"{statistics.median(merged['step_s']) * 1e3:8.1f} ms", flush=True)
-                previous = samples[model_name].get(variant)
-                for key in ("step_s", "wait_s", "comm_alone_s") if previous else ():
-                    merged[key] = previous[key] + merged[key]
-                samples[model_name][variant] = merged
-    for model_name in models:
-        for variant in variants:
-            peaks = run_workers(memory_worker, WORLD_SIZE, args=(model_name, variant, cfg),
-                                init_file=tmp / f"memory_{model_name}_{variant}", timeout_s=600)
-            samples[model_name][variant]["peak_bytes"] = max(peaks)
-    return samples
+def measure_model(run: _Runner, model_name: str, variants: list[str],
+                  cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Interleaved timed rounds, then one untimed probe, for every variant of one model."""
+
+    def timed(variant: str, round_index: int) -> dict[str, list[float]]:
+        per_rank = run(step_worker, (model_name, variant, cfg))
+        merged = {key: slowest_rank([r[key] for r in per_rank])
+                  for key in ("step_s", "finish_s")}
+        median_ms = sorted(merged["step_s"])[len(merged["step_s"]) // 2] * 1e3
+        print(f"round {round_index} {model_name:8s} {variant:22s} {median_ms:8.1f} ms", flush=True)
+        return merged
+
+    rounds = interleave(variants, cfg["rounds"], timed)
+    out = {}
+    for variant in variants:
+        probes = run(probe_worker, (model_name, variant, cfg))
+        out[variant] = {**probes[0], "peak_bytes": max(p["peak_bytes"] for p in probes),
+                        "step_s_by_round": [r["step_s"] for r in rounds[variant]],
+                        "finish_s_by_round": [r["finish_s"] for r in rounds[variant]]}
+    return out
 
 
-def run_zero(cfg: dict, models: list[str], tmp: Path) -> list[dict]:
+def run_zero(run: _Runner, models: list[str], cfg: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for model_name in models:
         for world_size in (2, 4):
-            per_rank = run_workers(zero_worker, world_size, args=(model_name, cfg),
-                                   init_file=tmp / f"zero_{model_name}_{world_size}", timeout_s=600)
+            per_rank = run(zero_worker, (model_name, cfg), world_size)
             rows.append({"model": model_name, "world_size": world_size,
                          "param_bytes": per_rank[0]["param_bytes"],
                          "unsharded_bytes": per_rank[0]["unsharded"],
@@ -254,42 +263,44 @@ def run_zero(cfg: dict, models: list[str], tmp: Path) -> list[dict]:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_sync",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/grad_sync"))
-    parser.add_argument("--quick", action="store_true", help="small smoke configuration")
-    parser.add_argument("--models", nargs="+", choices=("mlp", "resnet18"),
-                        default=["mlp", "resnet18"])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+                                     description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/grad_sync; with --quick a "
+                        "temporary folder, so that a smoke run never overwrites the committed results")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny smoke configuration; does not wait for a quiet machine")
+    parser.add_argument("--models", nargs="+", choices=("mlp", "resnet18"), default=["mlp", "resnet18"])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        help="default: all (with --quick: one cap per code path)")
     parser.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
+    parser.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine "
+                        "(default 300, 0 with --quick)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    out = args.out or (Path(tempfile.gettempdir()) / "grad_sync_quick" if args.quick
+                       else Path("benchmarks/results/grad_sync"))
     cfg = dict(QUICK if args.quick else FULL)
-    if args.rounds is not None:
-        cfg["rounds"] = args.rounds
-    # "none", the compute-only baseline, is always measured: the overlap figures need it.
-    variants = ["none", *[v for v in args.variants if v != "none"]]
-    args.out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="grad_sync_bench_"))
-    env = environment() | {"load_avg_start": os.getloadavg()}
-    command = ["python -m benchmarks.grad_sync", *(sys.argv[1:] if argv is None else argv)]
-    record: dict[str, Any] = {
-        "command": " ".join(command),
-        "config": cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu",
-                         "threads_per_process": 1, "optimizer": "SGD(lr=0.01, momentum=0.9)",
-                         "ddp_tuned_options": DDP_TUNED,
-                         "variants": {v: VARIANTS[v] for v in variants}},
-        "environment": env,
-    }
+    cfg["rounds"] = args.rounds if args.rounds is not None else cfg["rounds"]
+    # The baseline and both anchors are always measured: exposure and every ratio need them.
+    required = [NO_COMM, "ddp_tuned", "ddp_default"]
+    chosen = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
+    variants = required + [v for v in chosen if v not in required]
+    quiet = wait_for_quiet(max_wait_s=args.max_wait if args.max_wait is not None
+                           else (0.0 if args.quick else 300.0))
     started = time.monotonic()
-    record["steps"] = run_steps(cfg, args.models, variants, tmp)
-    record["zero1"] = run_zero(cfg, args.models, tmp)
-    env |= {"load_avg_end": os.getloadavg(), "total_wall_s": time.monotonic() - started}
-    (args.out / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    grad_sync_report.write(record, args.out)
-    print(f"wrote {args.out}/results.json, README.md and plots", flush=True)
+    with tempfile.TemporaryDirectory(prefix="grad_sync_bench_") as tmp:  # rendezvous files
+        run = _Runner(Path(tmp))
+        steps = {m: measure_model(run, m, variants, cfg) for m in args.models}
+        zero1 = run_zero(run, args.models, cfg)
+    config = cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu",
+                    "threads_per_process": 1, "optimizer": "SGD(lr=0.01, momentum=0.9)",
+                    "variants": {v: VARIANTS[v] for v in variants}}
+    record = make_record("grad_sync", config, quiet.finish(), argv=argv, wall_s=time.monotonic() - started,
+                         steps=steps, zero1=zero1)
+    grad_sync_report.write(grad_sync_report.analyse(record), out)
+    print(f"wrote {out}/results.json, results.md and grad_sync.png", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,243 +1,216 @@
-"""Tables, target verdicts and plots for ``python -m benchmarks.grad_sync`` (see that module).
+"""Analysis, headline, tables and plot for ``python -m benchmarks.grad_sync`` (see that module).
 
-Everything is derived from the ``results.json`` record, so a re-run on another machine rewrites
-the numbers, the verdicts and the plots together.
+Everything is derived from the record's raw per-step samples, so a re-run rewrites the numbers,
+the intervals, the headline and the plot together. Times are in ms; every interval is a bootstrap
+95 % interval (:mod:`benchmarks.harness`); every ratio names its anchor.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+from benchmarks.harness import (
+    Estimate, difference_ci, fmt_estimate, markdown_header, median_ci, plot_style, ratio_ci, table, write_record,
+)
 
-from callbacks.stats import summarize  # noqa: E402
-
-STEP_RATIO_TARGET = 1.0
-HIDDEN_TARGET = 0.70
-ANCHOR = "ddp"
+NO_COMM = "no_comm"
+# The like-for-like anchor first (no per-forward buffer broadcast, gradients in the buckets).
+ANCHORS = ("ddp_tuned", "ddp_default")
+HEADLINE_VARIANTS = {"bucketed_25mb": "bucketed25", "ddp_tuned": "ddp_tuned", "ddp_default": "ddp_default"}
 _MiB = 2**20
+_COLOURS = {"no communication (no_sync baseline)": "tab:gray", "SyncedDataParallel": "tab:blue",
+            "torch DDP (anchors)": "tab:orange"}
 
 
-def _hidden(exposed_s: float, comm_s: float) -> float:
-    """Share of ``comm_s`` that did not show up as ``exposed_s``, clipped to [0, 1]."""
-    if not comm_s > 0 or math.isnan(exposed_s):
-        return math.nan
-    return min(1.0, max(0.0, 1.0 - exposed_s / comm_s))
+def _ms(by_round: list[list[float]]) -> list[float]:
+    """Per-step samples of all rounds, in ms."""
+    return [s * 1e3 for steps in by_round for s in steps]
 
 
-def variant_rows(samples: dict[str, dict]) -> list[dict[str, Any]]:
-    """One row per variant: medians, the ratio to DDP, exposed and hidden communication."""
-    compute = summarize(samples["none"]["step_s"])["median"]
-    anchor = summarize(samples[ANCHOR]["step_s"])["median"] if ANCHOR in samples else math.nan
-    rows = []
-    for variant, s in samples.items():
-        step = summarize(s["step_s"])
-        comm = summarize(s["comm_alone_s"])["median"]
-        exposed = max(0.0, step["median"] - compute)
-        wait = summarize(s["wait_s"])["median"] if s["buckets"] is not None else math.nan
-        rows.append({
-            "variant": variant, "step_ms": step["median"] * 1e3, "p10_ms": step["p10"] * 1e3,
-            "p90_ms": step["p90"] * 1e3, "vs_ddp": step["median"] / anchor,
-            "wait_ms": wait * 1e3, "comm_alone_ms": comm * 1e3, "exposed_ms": exposed * 1e3,
-            "hidden_wait": _hidden(wait, comm), "hidden_step": _hidden(exposed, comm),
-            "peak_mib": s["peak_bytes"] / _MiB, "buckets": s["buckets"],
-        })
-    return rows
+def _round_spread(by_round: list[list[float]]) -> float:
+    """(max - min) of the per-round medians over the pooled median: run-to-run spread."""
+    medians = [float(np.median(steps)) for steps in by_round if steps]
+    return (max(medians) - min(medians)) / float(np.median([s for steps in by_round for s in steps]))
 
 
-def _plain_bucketed(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["variant"].startswith("bucketed_") and r["variant"].endswith("mb")]
+def _dict(estimate: Estimate | None) -> dict[str, float] | None:
+    return None if estimate is None else asdict(estimate)
 
 
-def best_bucketed(rows: list[dict]) -> dict | None:
-    """The plain ``bucketed_<cap>mb`` variant with the lowest median step time."""
-    return min(_plain_bucketed(rows), key=lambda r: r["step_ms"], default=None)
+def variant_row(name: str, sample: dict[str, Any], samples: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One variant's estimates (as JSON-able Estimate dicts): step, ratio to each anchor, exposure."""
+    step, base = _ms(sample["step_s_by_round"]), _ms(samples[NO_COMM]["step_s_by_round"])
+    communicates = name != NO_COMM
+    share = ratio_ci(base, step)  # exposed share = 1 - no_comm / step
+    return {
+        "variant": name, "step_ms": _dict(median_ci(step)),
+        **{f"vs_{a}": _dict(ratio_ci(step, _ms(samples[a]["step_s_by_round"]))) if a in samples and a != name
+           else None for a in ANCHORS},
+        "exposed_ms": _dict(difference_ci(step, base)) if communicates else None,
+        "exposed_share": _dict(Estimate(1 - share.value, 1 - share.high, 1 - share.low, share.n))
+        if communicates else None,
+        "round_spread": _round_spread(sample["step_s_by_round"]),
+        # Diagnostic only (a plain median): time blocked in finish(), blind to compute slowed by gloo.
+        "finish_ms": float(np.median(_ms(sample["finish_s_by_round"])))
+        if communicates and sample["buckets"] is not None else None,
+        "peak_mib": sample["peak_bytes"] / _MiB, "collectives": sample["collectives"],
+        "buckets": sample["buckets"],
+    }
 
 
-def _meets_all(row: dict, ddp: dict) -> bool:
-    return (row["vs_ddp"] <= STEP_RATIO_TARGET and row["hidden_wait"] >= HIDDEN_TARGET
-            and row["peak_mib"] < ddp["peak_mib"])
+def analyse(record: dict[str, Any]) -> dict[str, Any]:
+    """Add ``analysis`` (per model, one row per variant) and the flat ``headline`` to ``record``."""
+    record["analysis"] = {model: [variant_row(name, sample, samples) for name, sample in samples.items()]
+                          for model, samples in record["steps"].items()}
+    record["headline"] = headline(record["analysis"], record.get("zero1", []))
+    return record
 
 
-def _verdict(ok: bool, missed_by: str) -> str:
-    return "yes" if ok else f"**no**, missed by {missed_by}"
+def _zero_ratios(zero1: list[dict[str, Any]]) -> dict[int, float]:
+    """Largest rank's sharded state over the unsharded state, worst model, per world size."""
+    ratios: dict[int, float] = {}
+    for r in zero1:
+        ratio = max(r["sharded_bytes_per_rank"]) / r["unsharded_bytes"]
+        ratios[r["world_size"]] = max(ratio, ratios.get(r["world_size"], 0.0))
+    return ratios
 
 
-def target_lines(model: str, rows: list[dict]) -> list[str]:
-    best = best_bucketed(rows)
-    ddp = next((r for r in rows if r["variant"] == ANCHOR), None)
-    if best is None or ddp is None:
-        return [f"| {model} | bucketed and ddp not both measured | - | - |"]
-    name = best["variant"]
-    ratio, hidden = best["vs_ddp"], best["hidden_wait"]
-    extra_mib = best["peak_mib"] - ddp["peak_mib"]
-    lines = [
-        f"| {model} | {name} step time <= {STEP_RATIO_TARGET:.1f}x DDP | {ratio:.2f}x "
-        f"| {_verdict(ratio <= STEP_RATIO_TARGET, f'{ratio / STEP_RATIO_TARGET - 1:.0%}')} |",
-        f"| {model} | {name} hides >= {HIDDEN_TARGET:.0%} of communication (1 - finish() wait / "
-        f"comm alone) | {hidden:.0%} (step-based: {_pct(best['hidden_step'])}) "
-        f"| {_verdict(hidden >= HIDDEN_TARGET, f'{(HIDDEN_TARGET - hidden) * 100:.0f} points')} |",
-        f"| {model} | {name} peak memory < DDP (defaults) | {best['peak_mib']:.0f} vs "
-        f"{ddp['peak_mib']:.0f} MiB | {_verdict(extra_mib < 0, f'{extra_mib:.0f} MiB')} |",
-    ]
-    # The caps' step times are often within noise of each other: say which meet all three.
-    passing = [r["variant"] for r in _plain_bucketed(rows) if _meets_all(r, ddp)]
-    lines.append(f"| {model} | some bucket cap meets all three at once | "
-                 f"{', '.join(passing) or 'none'} | {'yes' if passing else '**no**'} |")
-    return lines
+def headline(analysis: dict[str, list[dict[str, Any]]], zero1: list[dict[str, Any]]) -> dict[str, Any]:
+    """Flat ``name -> Estimate dict or number``: the figures the README quotes, anchors in the names."""
+    out: dict[str, Any] = {}
+    for model, model_rows in analysis.items():
+        rows = {r["variant"]: r for r in model_rows}
+        for variant, short in HEADLINE_VARIANTS.items():
+            row = rows.get(variant)
+            if row is None:
+                continue
+            for anchor in ANCHORS:  # ddp_default vs ddp_tuned would only invert ddp_tuned's ratio
+                if row[f"vs_{anchor}"] is not None and (variant, anchor) != ("ddp_default", "ddp_tuned"):
+                    out[f"{model}_{short}_vs_{anchor}"] = row[f"vs_{anchor}"]
+            out[f"{model}_step_ms_{short}"] = row["step_ms"]
+            out[f"{model}_exposed_comm_ms_{short}"] = row["exposed_ms"]
+            out[f"{model}_exposed_comm_share_{short}"] = row["exposed_share"]
+            out[f"{model}_peak_mib_{short}"] = row["peak_mib"]
+            allreduce = row["collectives"].get("allreduce", {"count": 0, "bytes": 0})
+            out[f"{model}_allreduce_calls_{short}"] = allreduce["count"]
+            out[f"{model}_allreduce_mib_{short}"] = allreduce["bytes"] / _MiB
+        if NO_COMM in rows:
+            out[f"{model}_step_ms_no_comm"] = rows[NO_COMM]["step_ms"]
+    for world_size, ratio in sorted(_zero_ratios(zero1).items()):
+        out[f"zero1_state_ratio_{world_size}ranks"] = ratio
+    return out
 
 
-def _pct(share: float) -> str:
-    return "-" if math.isnan(share) else f"{share:.0%}"
+def _est(e: dict[str, float] | None, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
+    return "-" if e is None else fmt_estimate(e, scale=scale, digits=digits, unit=unit)
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.1f}"
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / _MiB:.1f} MiB" if n_bytes >= _MiB else f"{n_bytes / 1024:.1f} KiB"
 
 
-def _variant_table(rows: list[dict]) -> list[str]:
-    lines = ["| variant | step ms (p10-p90) | x DDP | finish() wait ms | comm alone ms "
-             "| hidden (wait) | exposed ms | hidden (step) | peak MiB | buckets |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['step_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f}) "
-            f"| {r['vs_ddp']:.2f} | {_ms(r['wait_ms'])} | {_ms(r['comm_alone_ms'])} "
-            f"| {_pct(r['hidden_wait'])} | {r['exposed_ms']:.1f} | {_pct(r['hidden_step'])} "
-            f"| {r['peak_mib']:.0f} | {r['buckets'] if r['buckets'] is not None else '-'} |"
-        )
-    return lines
+def _collectives(counts: dict[str, dict[str, float]]) -> str:
+    parts = [f"{op} {c['count']:.0f} ({_size(c['bytes'])})" for op, c in sorted(counts.items())]
+    return ", ".join(parts) or "none"
 
 
-def _zero_table(rows: list[dict]) -> list[str]:
-    lines = ["| model | ranks | params MiB | AdamW state unsharded MiB | sharded MiB per rank "
-             "| max rank / unsharded |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        per_rank = r["sharded_bytes_per_rank"]
-        lines.append(
-            f"| {r['model']} | {r['world_size']} | {r['param_bytes'] / _MiB:.1f} "
-            f"| {r['unsharded_bytes'] / _MiB:.1f} "
-            f"| {', '.join(f'{b / _MiB:.1f}' for b in per_rank)} "
-            f"| {max(per_rank) / r['unsharded_bytes']:.3f} (ideal {1 / r['world_size']:.3f}) |"
-        )
-    return lines
+def _variant_table(rows: list[dict[str, Any]]) -> list[str]:
+    headers = ["variant", "step ms", "x ddp_tuned", "x ddp_default", "exposed comm ms", "exposed share",
+               "peak MiB", "collectives per step (calls, payload)", "buckets", "round spread",
+               "diagnostic: finish() ms (median)"]
+    cells = [[r["variant"], _est(r["step_ms"], 1), _est(r["vs_ddp_tuned"]), _est(r["vs_ddp_default"]),
+              _est(r["exposed_ms"], 1), _est(r["exposed_share"], 0, 100, " %"), f"{r['peak_mib']:.0f}",
+              _collectives(r["collectives"]), "-" if r["buckets"] is None else r["buckets"],
+              f"{r['round_spread']:.0%}", "-" if r["finish_ms"] is None else f"{r['finish_ms']:.1f}"] for r in rows]
+    return table(headers, cells)
 
 
-def _ddp_settings(record: dict, variant: str) -> Any:
-    found = [s[variant]["ddp_settings"] for s in record["steps"].values() if variant in s]
-    return found[0] if found else "not measured"
+def _zero_table(rows: list[dict[str, Any]]) -> list[str]:
+    cells = [[r["model"], r["world_size"], f"{r['param_bytes'] / _MiB:.1f}", f"{r['unsharded_bytes'] / _MiB:.1f}",
+              ", ".join(f"{b / _MiB:.1f}" for b in r["sharded_bytes_per_rank"]),
+              f"{max(r['sharded_bytes_per_rank']) / r['unsharded_bytes']:.3f} (ideal {1 / r['world_size']:.3f})"]
+             for r in rows]
+    return table(["model", "ranks", "params MiB", "AdamW state unsharded MiB", "sharded MiB per rank",
+                  "largest rank / unsharded"], cells)
 
 
-def _environment_lines(record: dict) -> list[str]:
-    env, cfg = record["environment"], record["config"]
-    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
-    load_start, load_end = (
-        tuple(round(x, 2) for x in env[key]) for key in ("load_avg_start", "load_avg_end")
-    )
-    busy = load_start[0] > 1.0  # measured before the benchmark started: other work
-    lines = [
-        f"- Command: `{record['command']}`",
-        f"- CPU: {env['cpu']}, {env['cpu_count']} logical cores; "
-        f"GPUs: {', '.join(env['gpus']) or 'none'}",
-        f"- Software: {versions}; Python {env['python']}",
-        f"- World size {cfg['world_size']}, backend {cfg['backend']}, device {cfg['device']}, "
-        f"{cfg['threads_per_process']} intra-op thread per rank, fork-started workers; optimizer "
-        f"{cfg['optimizer']}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps x "
-        f"{cfg['rounds']} interleaved rounds; MLP {cfg['mlp_depth']}x{cfg['mlp_width']} batch "
-        f"{cfg['mlp_batch']}/rank, "
-        f"ResNet-18 (100 classes, 32x32) batch {cfg['resnet_batch']}/rank",
-        f"- torch DDP anchor `ddp`: no options, effective {_ddp_settings(record, 'ddp')}; "
-        f"`ddp_tuned`: {cfg['ddp_tuned_options']}, effective {_ddp_settings(record, 'ddp_tuned')}",
-        f"- Load average (1/5/15 min) at start {load_start}, at end {load_end}; total "
-        f"{env['total_wall_s']:.0f} s.",
-    ]
-    if busy:
-        lines.append("- **Caveat: other work was loading the machine when this run started** "
-                     "(1-minute load average > 1 before any rank ran): step times and overlap "
-                     "figures are noisy; re-run on a quiet machine before quoting them.")
-    return lines
+def _headline_value(value: Any) -> str:
+    return fmt_estimate(value, digits=3) if isinstance(value, dict) else f"{value:.3g}"
 
 
-def _plots(record: dict, out_dir: Path) -> None:
-    models = list(record["steps"])
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
-    for col, model in enumerate(models):
-        rows = variant_rows(record["steps"][model])
-        names = [r["variant"] for r in rows]
-        panels = (("step_ms", "median step time (ms)"), ("peak_mib", "peak memory (MiB)"))
-        for row, (key, label) in enumerate(panels):
-            ax = axes[row][col]
-            ax.bar(names, [r[key] for r in rows],
-                   color=["tab:gray" if n.startswith(("ddp", "none")) else "tab:blue"
-                          for n in names])
-            if row == 0:
-                ax.bar(names, [r["exposed_ms"] for r in rows], color="tab:red", alpha=0.5,
-                       label="exposed communication")
-                ax.legend(fontsize=8)
-            ax.set_title(f"{model}: {label}")
-            ax.tick_params(axis="x", rotation=70, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "grad_sync.png", dpi=110)
-    plt.close(fig)
+def _setup_lines(record: dict[str, Any]) -> list[str]:
+    cfg = record["config"]
+    ddp = {v: s.get("ddp_settings") for m in record["steps"].values() for v, s in m.items() if s.get("ddp_settings")}
+    return [f"{cfg['world_size']} ranks, {cfg['backend']} on {cfg['device']}, {cfg['threads_per_process']} "
+            f"intra-op thread per rank; {cfg['optimizer']}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
+            f"per run x {cfg['rounds']} interleaved rounds (fresh processes each); MLP {cfg['mlp_depth']}x"
+            f"{cfg['mlp_width']} batch {cfg['mlp_batch']}/rank, ResNet-18 (100 classes, 32x32) batch "
+            f"{cfg['resnet_batch']}/rank; total {record['wall_s']:.0f} s.", "",
+            f"Anchors (effective settings read back from torch DDP): {ddp}.", ""]
 
 
-def _find(rows: list[dict], variant: str) -> dict | None:
-    return next((r for r in rows if r["variant"] == variant), None)
+_NOTES = (
+    "Step: median over all timed steps of all rounds of the slower rank (forward, backward, finish(), "
+    "optimizer step, zero_grad), each step started after a barrier. x anchor: ratio of medians to that torch "
+    "DDP anchor. Exposed comm: step minus the `no_comm` step (same model, batch and wrapper on the same two "
+    "ranks, every backward inside no_sync(): no collective at all), not clipped; it also charges the compute "
+    "that gloo's reductions slow down on the shared cores. Exposed share: exposed / step. Peak: RSS "
+    "high-water mark above the built model, max over ranks, from a separate untimed run. Collectives: one "
+    "profiled step (torch.profiler `c10d::` calls; payload from gloo's events), per rank. Round spread: "
+    "(max - min) of the per-round medians over the median; when it is large, the intervals (which treat steps "
+    "as independent) are too narrow. finish() ms is a diagnostic (time blocked in finish(), SyncedDataParallel "
+    "only); it is not a measure of overlap."
+)
 
 
-def analysis_lines(model: str, rows: list[dict]) -> list[str]:
-    """A few sentences per model, computed from the rows so that a re-run rewrites them."""
-    best, ddp = best_bucketed(rows), _find(rows, ANCHOR)
-    if best is None or ddp is None:
-        return []
-    lines = [f"- {model}: the fastest bucket cap, `{best['variant']}` (picked on this run's "
-             f"noisy medians), runs at {best['vs_ddp']:.2f}x torch DDP's step time with a peak of "
-             f"{best['peak_mib']:.0f} vs {ddp['peak_mib']:.0f} MiB (gradients live in the "
-             "buckets; DDP's default keeps a second gradient-sized copy)."]
-    tuned, zero1 = _find(rows, "ddp_tuned"), _find(rows, "bucketed_25mb_zero1")
-    if tuned is not None:
-        lines.append(f"  DDP with `gradient_as_bucket_view=True` and no buffer sync: "
-                     f"{tuned['vs_ddp']:.2f}x, {tuned['peak_mib']:.0f} MiB.")
-    if zero1 is not None:
-        plain = _find(rows, "bucketed_25mb")
-        slowdown = zero1["step_ms"] / plain["step_ms"]
-        lines.append(f"  ZeRO-1 (SGD momentum sharded) costs {slowdown:.2f}x the step time of "
-                     "`bucketed_25mb`: the parameter broadcast after the step is not overlapped "
-                     "with anything.")
-    return lines
+def markdown(record: dict[str, Any]) -> list[str]:
+    lines = [*markdown_header(record, "Gradient synchronisation benchmark"), *_setup_lines(record),
+             "## Headline", "",
+             *table(["figure", "value [95 % CI]"],
+                    [[f"`{k}`", _headline_value(v)] for k, v in record["headline"].items()]), ""]
+    for model, rows in record["analysis"].items():
+        lines += [f"## {model}: per training step", "", *_variant_table(rows), ""]
+    return lines + [_NOTES, "", "## ZeRO-1: AdamW state per rank", "", *_zero_table(record["zero1"]), "",
+                    "![step time per variant with 95 % intervals](grad_sync.png)", ""]
 
 
-def write(record: dict, out_dir: Path) -> None:
-    """Write ``README.md`` and ``grad_sync.png`` for ``record`` into ``out_dir``."""
-    lines = ["# Gradient synchronisation benchmark", "", *_environment_lines(record), "",
-             "## Targets", "", "| model | target | measured | met? |", "|---|---|---|---|"]
-    for model, samples in record["steps"].items():
-        lines += target_lines(model, variant_rows(samples))
-    lines += ["", "## Analysis", ""]
-    for model, samples in record["steps"].items():
-        lines += analysis_lines(model, variant_rows(samples))
-    for model, samples in record["steps"].items():
-        lines += ["", f"## {model}: per training step", "", *_variant_table(variant_rows(samples))]
-    lines += [
-        "", "Step: median over timed steps of the slower rank (forward, backward, finish(), "
-        "optimizer step, zero_grad). `none`: the same training with no communication. comm "
-        "alone: the variant's buckets all-reduced with nothing else running (for DDP: its "
-        "25 MiB layout rebuilt with our bucket assignment). finish() wait: from the end of the "
-        "last rank's backward to the end of the last finish() (a faster rank's own wait also "
-        "covers the slower rank's backward, which is skew, not communication); hidden (wait) = "
-        "1 - finish() wait / comm alone (SyncedDataParallel only; DDP waits inside backward). "
-        "exposed = step - none; hidden (step) = 1 - exposed / comm alone, which also charges "
-        "the slowdown communication causes to compute running beside it (the two share the CPU "
-        "cores). Peak: RSS high-water mark above the built model (gradients, buckets, "
-        "activations, optimizer state), max over ranks, from a separate untimed run with a fixed "
-        "1 MiB glibc mmap threshold so freed tensors leave the RSS.",
-        "", "## ZeRO-1: AdamW state per rank", "", *_zero_table(record["zero1"]),
-        "", "![step time and memory](grad_sync.png)", "",
-    ]
-    (out_dir / "README.md").write_text("\n".join(lines))
-    _plots(record, out_dir)
+def _family(variant: str) -> str:
+    if variant == NO_COMM:
+        return "no communication (no_sync baseline)"
+    return "torch DDP (anchors)" if variant.startswith("ddp") else "SyncedDataParallel"
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Median step time per variant with 95 % interval error bars, one panel per model."""
+    models = list(record["analysis"])
+    with plot_style() as plt:
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 5), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            rows = record["analysis"][model]
+            steps = [r["step_ms"] for r in rows]
+            ax.barh([r["variant"] for r in rows], [e["value"] for e in steps],
+                    xerr=[[e["value"] - e["low"] for e in steps], [e["high"] - e["value"] for e in steps]],
+                    color=[_COLOURS[_family(r["variant"])] for r in rows], ecolor="black", capsize=2)
+            ax.invert_yaxis()
+            ax.set(title=f"{model}: median step time", xlabel="ms per step (slower rank)")
+        handles = [Patch(color=c, label=label) for label, c in _COLOURS.items()]
+        handles.append(Line2D([], [], color="black", marker="|", linestyle="-", label="95 % bootstrap CI"))
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles))
+        if not record["quietness"]["comparable"]:
+            fig.suptitle("NOT COMPARABLE: measured on a busy machine", color="tab:red")
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def write(record: dict[str, Any], out_dir: Path) -> None:
+    """``results.json``, ``results.md`` and ``grad_sync.png`` for an :func:`analyse`d ``record``."""
+    write_record(out_dir, record, markdown(record))
+    plot(record, out_dir / "grad_sync.png")

@@ -31,8 +31,9 @@ import numpy as np
 from callbacks.run_info import environment, to_jsonable
 
 __all__ = [
-    "SCHEMA", "Estimate", "Quietness", "difference_ci", "fmt_estimate", "interleave", "make_record", "markdown_header",
-    "median_ci", "plot_style", "ratio_ci", "table", "wait_for_quiet", "write_record",
+    "Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "fmt_estimate", "interleave",
+    "make_record", "markdown_header", "median_ci", "plot_style", "ratio_ci", "save_figure", "slowest_rank",
+    "table", "verdict", "wait_for_quiet", "write_record",
 ]
 
 SCHEMA = "lit_cifar.bench/v2"
@@ -142,6 +143,42 @@ def interleave(names: Sequence[str], rounds: int, run: Callable[[str, int], _T])
     return results
 
 
+def aligned_seconds(fn: Callable[[], Any], device: Any = None) -> float:
+    """Seconds of one call of ``fn`` on this rank, started right after a barrier so all ranks start
+    together (CUDA: events around the call, after a synchronize)."""
+    import torch
+    import torch.distributed as dist
+
+    if device is not None and torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    dist.barrier()
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
+
+
+def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per-iteration samples: the slowest rank's time of each barrier-aligned iteration (a
+    data-parallel step is as slow as its slowest rank)."""
+    return [max(iteration) for iteration in zip(*per_rank, strict=True)]
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write and close a figure made under :class:`plot_style`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A point estimate with its bootstrap 95 % confidence interval."""
@@ -152,13 +189,12 @@ class Estimate:
     n: int
 
 
-def _bootstrap(statistic: Callable[..., float], samples: Sequence[np.ndarray], resamples: int,
+def _bootstrap(statistic: Callable[..., Any], samples: Sequence[np.ndarray], resamples: int,
                seed: int) -> np.ndarray:
+    """``statistic`` of ``resamples`` resamples (with replacement) of every sample set, all at once."""
     rng = np.random.default_rng(seed)
-    draws = np.empty(resamples)
-    for i in range(resamples):
-        draws[i] = statistic(*(s[rng.integers(0, len(s), len(s))] for s in samples))
-    return draws
+    draws = [s[rng.integers(0, len(s), (resamples, len(s)))] for s in samples]
+    return np.asarray(statistic(*draws))
 
 
 def median_ci(samples: Sequence[float], resamples: int = 2000, seed: int = 0) -> Estimate:
@@ -166,7 +202,7 @@ def median_ci(samples: Sequence[float], resamples: int = 2000, seed: int = 0) ->
     values = np.asarray(samples, dtype=float)
     if values.size == 0:
         raise ValueError("median_ci needs at least one sample, got none")
-    draws = _bootstrap(np.median, [values], resamples, seed)
+    draws = _bootstrap(lambda x: np.median(x, axis=-1), [values], resamples, seed)
     low, high = np.percentile(draws, [2.5, 97.5])
     return Estimate(float(np.median(values)), float(low), float(high), int(values.size))
 
@@ -181,17 +217,21 @@ def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], floa
     return Estimate(float(statistic(a, b)), float(low), float(high), int(min(a.size, b.size)))
 
 
+def _median(x: np.ndarray) -> Any:  # along the last axis: one value per bootstrap resample
+    return np.median(x, axis=-1)
+
+
 def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], resamples: int = 2000,
              seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` with a percentile-bootstrap 95 % interval."""
-    return _two_sample_ci("ratio_ci", lambda x, y: np.median(x) / np.median(y), numerator, denominator,
+    return _two_sample_ci("ratio_ci", lambda x, y: _median(x) / _median(y), numerator, denominator,
                           resamples, seed)
 
 
 def difference_ci(minuend: Sequence[float], subtrahend: Sequence[float], resamples: int = 2000,
                   seed: int = 0) -> Estimate:
     """``median(minuend) - median(subtrahend)`` with a percentile-bootstrap 95 % interval."""
-    return _two_sample_ci("difference_ci", lambda x, y: np.median(x) - np.median(y), minuend, subtrahend,
+    return _two_sample_ci("difference_ci", lambda x, y: _median(x) - _median(y), minuend, subtrahend,
                           resamples, seed)
 
 
@@ -202,12 +242,18 @@ def fmt_estimate(estimate: Estimate | dict[str, Any], scale: float = 1.0, digits
     return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]{unit}"
 
 
-def make_record(benchmark: str, config: dict[str, Any], quiet: Quietness, **sections: Any) -> dict[str, Any]:
-    """The one JSON schema: what ran, on what, how quiet it was, then the benchmark's own sections."""
+def make_record(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: Sequence[str] | None = None,
+                **sections: Any) -> dict[str, Any]:
+    """The one JSON schema: what ran, on what, how quiet it was, then the benchmark's own sections.
+
+    ``argv``: the benchmark's arguments when ``main(argv)`` was called from Python (default: the
+    command line).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
     return {
         "schema": SCHEMA,
         "benchmark": benchmark,
-        "command": "python -m benchmarks." + benchmark + " " + shlex.join(sys.argv[1:]),
+        "command": ("python -m benchmarks." + benchmark + " " + shlex.join(args)).strip(),
         "config": config,
         "environment": environment(),
         "quietness": quiet.as_dict(),
@@ -232,6 +278,15 @@ def markdown_header(record: dict[str, Any], title: str) -> list[str]:
               "of the machine during the run.",
               "Intervals are bootstrap 95 % confidence intervals of the median (or of the ratio of medians).", ""]
     return lines
+
+
+def verdict(ratio: dict[str, float], target: float) -> str:
+    """Met / missed only when the whole 95 % CI is on one side of the target."""
+    if ratio["high"] <= target:
+        return "met"
+    if ratio["low"] > target:
+        return f"**missed** (+{100 * (ratio['value'] / target - 1):.0f} %)"
+    return "undecided (CI spans the target)"
 
 
 def _pct(share: float | None) -> str:

@@ -33,7 +33,6 @@ Peak memory (one forward+backward, beyond what was allocated before): CPU extra 
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +43,9 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import syncbn_report
-from benchmarks.harness import interleave, make_record, median_ci, ratio_ci, wait_for_quiet
+from benchmarks.harness import (
+    aligned_seconds, interleave, make_record, median_ci, ratio_ci, slowest_rank, wait_for_quiet,
+)
 from callbacks.memory import return_freed_memory_above
 from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
@@ -82,23 +83,6 @@ def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[st
     if device.type == "cuda":
         methods["torch_syncbn"] = _fwd_bwd(nn.SyncBatchNorm(channels).to(device), x, grad)
     return methods
-
-
-def aligned_seconds(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one call on this rank, started right after a barrier so all ranks start together."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    dist.barrier()
-    start_s = time.perf_counter()
-    fn()
-    return time.perf_counter() - start_s
 
 
 def _time(methods: dict[str, Callable[[], None]], device: torch.device, cfg: dict) -> dict[str, list[float]]:
@@ -151,11 +135,6 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> list[dict]:
             dist.barrier()
             result["peak_bytes"][name] = _peak_bytes(fn, device)
     return out
-
-
-def slowest_rank(per_rank: list[list[float]]) -> list[float]:
-    """Per-iteration samples: the slowest rank's time of each barrier-aligned iteration."""
-    return [max(iteration) for iteration in zip(*per_rank, strict=True)]
 
 
 def analyse(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -223,10 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     baseline, target = TARGETS[args.device]
     config = {**cfg, "world_size": args.world_size, "backend": backend, "threads": args.threads,
               "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target}
-    record = make_record("syncbn", config, quiet.finish(), headline=headline(rows, baseline), rows=rows,
+    record = make_record("syncbn", config, quiet.finish(), argv=argv, headline=headline(rows, baseline), rows=rows,
                          wall_s=time.monotonic() - start)
-    if argv is not None:  # called from Python: sys.argv is not this benchmark's command line
-        record["command"] = "python -m benchmarks.syncbn " + shlex.join(argv)
     syncbn_report.write(record, args.out)
     print((args.out / "results.md").read_text())
     return record

@@ -10,16 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import fmt_estimate, markdown_header, plot_style, table, write_record
-
-
-def verdict(ratio: dict[str, float], target: float) -> str:
-    """Met / missed only when the whole 95 % CI is on one side of the target."""
-    if ratio["high"] <= target:
-        return "met"
-    if ratio["low"] > target:
-        return f"**missed** (+{100 * (ratio['value'] / target - 1):.0f} %)"
-    return "undecided (CI spans the target)"
+from benchmarks.harness import (
+    fmt_estimate, markdown_header, plot_style, save_figure, table, verdict, write_record,
+)
 
 
 def includes_one(ratio: dict[str, float]) -> bool:
@@ -90,9 +83,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
         for ax in (ax_time, ax_ratio):
             ax.legend()
         fig.suptitle(f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}")
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def write(record: dict[str, Any], out: Path) -> None:
