@@ -52,10 +52,10 @@ def _custom(sync_batchnorm: bool) -> tuple[str, ...]:
             _flag("trainer.strategy.sync_mode", "bucketed"))
 
 
-def _ddp(gradient_as_bucket_view: bool, broadcast_buffers: bool) -> tuple[str, ...]:
+def _ddp(gradient_as_bucket_view: bool, forward_sync_buffers: bool) -> tuple[str, ...]:
     return (_flag("trainer.strategy", _DDP),
             _flag("trainer.strategy.gradient_as_bucket_view", gradient_as_bucket_view),
-            _flag("trainer.strategy.broadcast_buffers", broadcast_buffers))
+            _flag("trainer.strategy.forward_sync_buffers", forward_sync_buffers))
 
 
 # On CPU torch.nn.SyncBatchNorm cannot run, so every ddp variant keeps LOCAL BatchNorm there; the
@@ -66,10 +66,11 @@ VARIANTS: dict[str, Variant] = {
     "custom_ddp_localbn": Variant("custom_ddp (local BN)", "custom_ddp with sync_batchnorm=false: local "
                                   "BatchNorm like ddp on CPU", _custom(False)),
     "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: torch DDP, 25 MiB buckets, "
-                           "gradient_as_bucket_view=False, broadcast_buffers=True (rank 0's BN buffers "
+                           "gradient_as_bucket_view=False, forward_sync_buffers=True (rank 0's BN buffers "
                            "broadcast every forward)", _ddp(False, True)),
     "ddp_tuned": Variant("ddp tuned (local BN)", "torch DDP with gradient_as_bucket_view=True (no second "
-                         "gradient copy) and broadcast_buffers=False (like custom_ddp)", _ddp(True, False)),
+                         "gradient copy) and forward_sync_buffers=False (torch 2.14's name for "
+                         "broadcast_buffers; no buffer broadcast, like custom_ddp)", _ddp(True, False)),
     "single": Variant("1 process", "one process, same per-process batch: no communication at all",
                       (_flag("trainer.strategy", "auto"),), processes=1),
 }
