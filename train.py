@@ -3,19 +3,24 @@
 Every option of the Trainer, the model (``lit_cifar.module.LitClassifier``) and the data
 (``lit_cifar.data.CIFAR100DataModule``) is a command-line flag or a YAML key; configs compose left
 to right and flags override them. Runs log to TensorBoard under ``lightning_logs/version_N/``
-(metrics, learning rate, hyperparameters including ``dataset_used``, and the full ``config.yaml``).
+(metrics, learning rate, hyperparameters including ``dataset_used``, the strategy and its options,
+and the full ``config.yaml``).
 The optimizer and LR schedule are the model's own options (``--model.optimizer``, ``--model.lr``,
 ``--model.schedule``, ...); LightningCLI's generic ``--optimizer``/``--lr_scheduler`` are refused
 because they would silently replace its schedule and its no-weight-decay groups.
 
-One process (CPU or one GPU); trains on synthetic data when CIFAR-100 cannot be had offline:
+The quickstart: the hand-written ``custom_ddp`` strategy on 2 CPU processes, about 2 minutes on 2
+cores; trains on synthetic data (with a loud warning) when CIFAR-100 cannot be had offline, and
+ends with a summary from rank 0 (validation top-1/top-5, wall time, the data actually used, where
+the TensorBoard logs and the checkpoint are):
     python train.py fit --config configs/quickstart.yaml
 
-Two CPU processes with Lightning's DDP (gloo), on one machine:
+The same on one process, or with Lightning's DDP (gloo) instead of custom_ddp:
+    python train.py fit --config configs/quickstart.yaml --trainer.devices=1 --trainer.strategy=auto
     python train.py fit --config configs/quickstart.yaml --config configs/ddp_cpu.yaml
 
-The hand-written data-parallel strategy instead of Lightning's (see README, "The custom_ddp strategy"):
-    python train.py fit --config configs/quickstart.yaml --config configs/ddp_cpu.yaml --trainer.strategy=custom_ddp
+More of the hand-written data-parallel strategy (see README, "The custom_ddp strategy"):
+    python train.py fit --config configs/quickstart.yaml --trainer.strategy.sync_mode=flat
     python train.py fit --config configs/custom_ddp_cpu.yaml   # 2 CPU processes, accumulate 2, every option shown
 Its options follow the registered name (custom_ddp, custom_ddp_fork, custom_ddp_spawn) on the command
 line; in YAML, and anywhere else, use the short class name CustomDDPStrategy as class_path:
@@ -45,27 +50,37 @@ added unless the config has a prediction writer): ``torch.load`` gives ``index``
 processes. ``--data.predict_split=val|train`` predicts another split; add the writer yourself to choose
 the file or one file per process: ``--trainer.callbacks+=PredictionWriter --trainer.callbacks.merge=false``.
 
-Watch the runs:
+Watch the runs; the HPARAMS tab compares them by strategy and its options, world size, data used
+(``callbacks.RunHparams``, added to every fit / validate / test):
     tensorboard --logdir lightning_logs
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from typing import Any
+
+_PROCESS_START = time.perf_counter()  # before the heavy imports: the summary's wall time includes them
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 import callbacks  # noqa: F401  (project callbacks, importable by short name in configs)
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
-from callbacks import PredictionWriter
+from callbacks import PredictionWriter, RunHparams
+from callbacks.run_hparams import strategy_name
+from lit_cifar.console import quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
 from strategies import CustomDDPStrategy
+
+quiet_lightning_tips()  # Lightning's "💡 Tip" adverts for litlogger / litmodels, on every run
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -116,8 +131,61 @@ def _expand_strategy_name(argv: list[str]) -> list[str]:
     return expanded
 
 
+def _where(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (what a reader types), else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
+    """The few lines a finished fit ends with: accuracy, wall time, the data really used, where the run lives."""
+    metrics = trainer.callback_metrics
+    if "val/acc1" in metrics:
+        top5 = f", top-5 {100 * float(metrics['val/acc5']):.1f} %" if "val/acc5" in metrics else ""
+        validation = (f"top-1 {100 * float(metrics['val/acc1']):.1f} %{top5} (chance: 1 %), after "
+                      f"{trainer.current_epoch} epoch(s), {trainer.global_step} optimizer steps")
+    else:
+        validation = "none ran (limit_val_batches=0?)"
+    used = getattr(datamodule, "dataset_used", None)
+    if used == "synthetic":
+        asked = getattr(datamodule, "hparams", {}).get("dataset")
+        why = "dataset=auto fell back: real CIFAR-100 not available" if asked == "auto" else "dataset=synthetic"
+        data = f"SYNTHETIC stand-in ({why}). These are NOT CIFAR-100 accuracies."
+    elif used == "cifar100":
+        data = "CIFAR-100 (the real data set)"
+    else:
+        data = str(used)
+    logger = trainer.logger
+    if isinstance(logger, TensorBoardLogger):
+        tensorboard = f"tensorboard --logdir {_where(logger.root_dir)}   (this run: {_where(logger.log_dir)})"
+    else:
+        tensorboard = "no TensorBoard logger in this run"
+    checkpoint = trainer.checkpoint_callback
+    saved = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
+    bar = "=" * 78
+    return "\n".join([
+        bar,
+        f"lit-cifar fit done: {strategy_name(trainer.strategy)} on {trainer.world_size} process(es), "
+        f"wall time {_minutes(wall_s)} (start of train.py to now)",
+        f"  validation  {validation}",
+        f"  data        {data}",
+        f"  TensorBoard {tensorboard}",
+        f"  checkpoint  {_where(saved) if saved else 'none saved'}",
+        bar,
+    ])
+
+
 class LitCifarCLI(LightningCLI):
-    """LightningCLI with strategy options by registered name, no optimizer flags, and a predictions file."""
+    """LightningCLI with strategy options by registered name, no optimizer flags, run hyperparameters in
+    TensorBoard, a summary after fit, and a predictions file."""
+
+    def __init__(self, *args: Any, started: float | None = None, **kwargs: Any) -> None:
+        self.started = time.perf_counter() if started is None else started
+        super().__init__(*args, **kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if isinstance(args, (dict, Namespace)):
@@ -141,13 +209,23 @@ class LitCifarCLI(LightningCLI):
         # `predict` always leaves a file (and says where), unless the config chose its own writer.
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())
+        # Every fit / validate / test shows up in TensorBoard's HPARAMS tab with its strategy and options.
+        if self.subcommand in ("fit", "validate", "test") and not any(isinstance(cb, RunHparams)
+                                                                     for cb in trainer.callbacks):
+            trainer.callbacks.append(RunHparams())
         return trainer
 
+    def after_fit(self) -> None:
+        """Rank 0 ends the fit with :func:`fit_summary` (the other ranks print nothing)."""
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer, self.datamodule, time.perf_counter() - self.started), flush=True)
 
-def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
+
+def main(args: ArgsType = None, run: bool = True, started: float | None = None) -> LightningCLI:
     """Parse ``args`` (default: ``sys.argv``), build model, data and Trainer, and run the subcommand.
 
-    ``run=False`` only builds them (``args`` then has no subcommand).
+    ``run=False`` only builds them (``args`` then has no subcommand). ``started``: the
+    ``time.perf_counter()`` the fit summary's wall time counts from (default: now).
     """
     return LitCifarCLI(
         LitClassifier,
@@ -160,8 +238,9 @@ def main(args: ArgsType = None, run: bool = True) -> LightningCLI:
         auto_configure_optimizers=False,
         args=args,
         run=run,
+        started=started,
     )
 
 
 if __name__ == "__main__":
-    main()
+    main(started=_PROCESS_START)

@@ -26,6 +26,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -39,6 +40,10 @@ from callbacks.timing import EpochTiming, StepTimer
 __all__ = ["BenchmarkMonitor", "SCHEMA"]
 
 SCHEMA = "lit_cifar.benchmark/v1"
+# Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which
+# torch 2.14 deprecates (a FutureWarning on every rank). These numbers need no gradient: the plain
+# c10d collective does, all_gather_single (torch 2.14's name) or all_gather_into_tensor before it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SUMMED = ("samples", "steady_samples")
 _DATASET_KEYS = ("dataset_used", "dataset_kind", "dataset")
 
@@ -201,7 +206,7 @@ def _gather(trainer: Trainer, row: dict[str, float]) -> dict[str, Any]:
     """All ranks' rows in ONE all_gather; returns ``per_rank`` lists and the ``global`` view."""
     keys = sorted(row)
     local = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
-    table = trainer.strategy.all_gather(local).reshape(-1, len(keys)).cpu()
+    table = _all_gather(trainer, local).reshape(-1, len(keys)).cpu()
     per_rank = {k: table[:, i].tolist() for i, k in enumerate(keys)}
     merged = {k: (math.fsum(v) if k in _SUMMED else _nanmax(v)) for k, v in per_rank.items()}
     merged["samples_per_s"] = _ratio(merged["samples"], merged["time_s"])
@@ -209,13 +214,23 @@ def _gather(trainer: Trainer, row: dict[str, float]) -> dict[str, Any]:
     return {"per_rank": per_rank, "global": merged}
 
 
+def _all_gather(trainer: Trainer, tensor: torch.Tensor) -> torch.Tensor:
+    """``(world_size, *tensor.shape)``: every rank's ``tensor`` in rank order, in one collective."""
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    flat = tensor.contiguous().reshape(-1)
+    gathered = flat.new_empty(trainer.world_size * flat.numel())  # gloo takes only the concatenated layout
+    _all_gather_single(gathered, flat)
+    return gathered.view(trainer.world_size, *tensor.shape)
+
+
 def _gather_samples(trainer: Trainer, values: list[float]) -> list[list[float]]:
     """Every rank's ``values`` (lengths may differ): one gather of the lengths, one of the padded samples."""
     device = trainer.strategy.root_device
-    lengths = trainer.strategy.all_gather(torch.tensor([len(values)], device=device)).reshape(-1).tolist()
+    lengths = _all_gather(trainer, torch.tensor([len(values)], device=device)).reshape(-1).tolist()
     padded = torch.full((max(max(lengths), 1),), math.nan, dtype=torch.float64, device=device)
     padded[: len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
-    table = trainer.strategy.all_gather(padded).reshape(len(lengths), -1).cpu()
+    table = _all_gather(trainer, padded).reshape(len(lengths), -1).cpu()
     return [table[rank, :length].tolist() for rank, length in enumerate(lengths)]
 
 

@@ -16,12 +16,12 @@ recorded as the ``dataset_used`` hyperparameter, so every TensorBoard run shows 
 from __future__ import annotations
 
 import socket
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import CIFAR100
@@ -116,11 +116,22 @@ def _missing_cifar100_error(root: str | Path, reason: str) -> FileNotFoundError:
 
 
 def _warn_fallback(root: str | Path, reason: str) -> None:
+    """The loud banner of ``dataset=auto`` falling back, as a UserWarning blamed on prepare_data's caller.
+
+    stacklevel=3 (this helper, ``prepare_data``, its caller) points at whoever asked for the data,
+    as a warning from a public method should: under the Trainer that is Lightning's hook runner,
+    whose warnings Lightning prints as ``file:line: message``, so the banner stands alone.
+    Attributed to a line of this file (``rank_zero_warn``'s default did that), Python printed that
+    source line, ``rank_zero_warn(``, under the banner. ``prepare_data`` runs on one process per
+    node, so each node that falls back says so once.
+    """
     bar = "!" * 78
-    rank_zero_warn(
+    warnings.warn(
         f"\n{bar}\n  dataset=auto: real CIFAR-100 is not available under {Path(root) / CIFAR100.base_folder}"
         f"\n  ({reason}).\n  FALLING BACK TO SYNTHETIC DATA: accuracies are NOT CIFAR-100 accuracies."
-        f"\n  Recorded as hparam dataset_used=synthetic. README.md says how to get the real data.\n{bar}"
+        f"\n  Recorded as hparam dataset_used=synthetic. README.md says how to get the real data.\n{bar}",
+        UserWarning,
+        stacklevel=3,
     )
 
 
@@ -284,8 +295,15 @@ class CIFAR100DataModule(LightningDataModule):
         split = {"test": self.test_set, "val": self.val_set, "train": self.train_set}[self.hparams.predict_split]
         return self._loader(split, self.hparams.eval_batch_size or self.hparams.batch_size, shuffle=False)
 
-    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
-        """Augment (training only) and normalise the uint8 batch on its device."""
+    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor] | Tensor,
+                                dataloader_idx: int) -> tuple[Tensor, Tensor] | Tensor:
+        """Augment (training only) and normalise the uint8 batch on its device.
+
+        A bare tensor is model input, not a batch of this DataModule (Lightning's model summary
+        sends the module's ``example_input_array`` through this hook): it passes unchanged.
+        """
+        if isinstance(batch, Tensor):
+            return batch
         images, labels = batch
         if self.hparams.augment and self.trainer is not None and self.trainer.training:
             images = augment(images)

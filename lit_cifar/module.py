@@ -94,6 +94,9 @@ class LitClassifier(LightningModule):
                              "must lie in [0, 1).")
         self.save_hyperparameters()
         self.net = build_net(net, num_classes, **(net_kwargs or {}))
+        # One normalised 32x32 RGB image: Lightning's model summary runs it to fill in the FLOPs
+        # (per image) and the in/out sizes (without it the FLOPs column reads 0 for every layer).
+        self.example_input_array = torch.zeros(1, 3, 32, 32)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         # One metric set per stage ("train" cannot be a ModuleDict key: it is nn.Module.train).
         for stage in ("train", "val", "test"):

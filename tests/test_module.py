@@ -115,3 +115,16 @@ def test_warmup_cosine_factor() -> None:
 def test_bad_options_are_rejected(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         LitClassifier(**kwargs)
+
+
+@pytest.mark.parametrize("net", ["template", "resnet18"])
+def test_model_summary_counts_flops_through_the_datamodule_hook(net: str, tiny_datamodule) -> None:
+    """example_input_array gives Lightning's summary real FLOPs (not 0) and sizes; the DataModule's batch
+    hook, which the summary sends it through, passes a bare tensor unchanged."""
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    model = LitClassifier(net=net, net_kwargs={"width": 0.25} if net == "resnet18" else None)
+    summary = ModelSummary(model, max_depth=1)
+    assert summary.total_flops > 0 and summary.out_sizes[0] == [1, 100]
+    datamodule = tiny_datamodule()
+    assert datamodule.on_after_batch_transfer(model.example_input_array, 0) is model.example_input_array

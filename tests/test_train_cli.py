@@ -1,5 +1,6 @@
 """train.py: LightningCLI parsing of every shipped config, --print_config, fit and predict through the CLI,
-strategy options by registered name or short class name, and the refused --optimizer flags."""
+the quickstart command on 2 processes (its summary, its console), strategy options by registered name or
+short class name, and the refused --optimizer flags."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def _strategy_name(strategy: str | dict) -> str:
 @pytest.mark.parametrize(
     ("configs", "expected"),
     [
+        (("quickstart.yaml",),
+         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "strategies.CustomDDPStrategy"}),
         (("cifar100_resnet18.yaml",), {"net": "resnet18", "devices": -1, "dataset": "cifar100"}),
         (("cifar100_template_net.yaml",),
          {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "strategies.CustomDDPStrategy"}),
@@ -83,12 +86,14 @@ def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str
 TINY_ARGS = [
     "--data.dataset=synthetic", "--data.synthetic_train_size=400", "--data.synthetic_test_size=200",
     "--data.val_size=100", "--data.batch_size=64", "--trainer.enable_progress_bar=false",
+    # In this process: the quickstart's 2 popen processes would re-run pytest's own command line.
+    "--trainer.devices=1", "--trainer.strategy=auto",
 ]
 
 
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
-    """One 2-step fit through the CLI on TINY data: (cli, save_dir)."""
+    """One 2-step fit through the CLI on TINY data, one process: (cli, save_dir)."""
     save_dir = tmp_path_factory.mktemp("runs")
     cli = train.main([
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
@@ -136,6 +141,58 @@ def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir
     torch.testing.assert_close(saved["probs"], probs)
     assert torch.equal(saved["target"], test_set.labels)
     assert torch.equal(saved["pred"], probs.argmax(dim=-1)) and torch.equal(saved["top5"][:, 0], saved["pred"])
+
+
+@pytest.mark.distributed
+def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_console(tmp_path: Path) -> None:
+    """README's first command as typed (custom_ddp, 2 processes started by popen, dataset=auto falling back to
+    synthetic data), on tiny sizes, plus BenchmarkMonitor: what the console shows, and what it no longer shows."""
+    command = [
+        sys.executable, "train.py", "fit", "--config", "configs/quickstart.yaml",
+        f"--data.data_dir={tmp_path / 'data'}", "--data.download=false",  # never fetch 160 MB in a test
+        "--data.synthetic_train_size=400", "--data.synthetic_test_size=200", "--data.val_size=100",
+        "--data.batch_size=32", "--data.eval_batch_size=50", "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=3", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.callbacks+=BenchmarkMonitor", "--trainer.callbacks.warmup_steps=1",
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # the popen launcher started rank 1, which re-ran the CLI
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    # The summary: once (rank 0), with the accuracy, the wall time, SYNTHETIC said loudly, the logs, the checkpoint.
+    assert output.count("lit-cifar fit done: custom_ddp on 2 process(es), wall time ") == 1
+    assert "  validation  top-1 " in output and ", top-5 " in output
+    assert "  data        SYNTHETIC stand-in (dataset=auto fell back: real CIFAR-100 not available)" in output
+    assert f"  TensorBoard tensorboard --logdir {tmp_path / 'lightning_logs'}   (this run: {run_dir})" in output
+    assert f"  checkpoint  {run_dir / 'checkpoints' / 'last.ckpt'}" in output
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "benchmark.json").is_file()
+    # The fallback banner once, without the warning call's source line under it.
+    assert output.count("FALLING BACK TO SYNTHETIC DATA") == 1 and "rank_zero_warn(" not in output
+    assert "💡 Tip" not in output  # Lightning's litlogger / litmodels adverts
+    assert not [line for line in output.splitlines() if "all_gather" in line and "deprecated" in line]
+    total_flops = [line for line in output.splitlines() if line.endswith("Total Flops")]
+    assert len(total_flops) == 1 and not total_flops[0].startswith("0 "), total_flops
+
+
+def test_lightning_tips_are_dropped_and_other_messages_kept() -> None:
+    # train.py's import installed the filter; a handler on the logger sees what passes it.
+    import logging
+
+    from lightning.pytorch import Trainer
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        Trainer(accelerator="cpu", logger=False, enable_checkpointing=True)  # litlogger tip at construction
+    finally:
+        logger.removeHandler(handler)
+    assert any(message.startswith("GPU available") for message in seen)
+    assert not any("Tip" in message for message in seen), seen
 
 
 @pytest.mark.parametrize("flag", ["--optimizer=torch.optim.Adam", "--lr_scheduler.class_path=StepLR"])

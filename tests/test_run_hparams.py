@@ -1,0 +1,119 @@
+"""RunHparams: every fit / validate / test run carries a TensorBoard HPARAMS session with the strategy, its
+options, the world size, accumulation and the data used; read back from the event file as TensorBoard does."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from callbacks.run_hparams import RunHparams, flatten_hparams, strategy_name
+from lit_cifar.module import LitClassifier
+from strategies import CustomDDPStrategy
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CLI = [
+    "--data.dataset=synthetic", "--data.synthetic_train_size=400", "--data.synthetic_test_size=200",
+    "--data.val_size=100", "--data.batch_size=64", "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+]
+
+
+def _train():
+    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _train()
+
+
+def read_hparams_plugin(run_dir: Path) -> tuple[dict[str, Any], set[str], EventAccumulator]:
+    """The session-start hparams of ``run_dir`` (name -> value), the hparams plugin tags present, the events."""
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    content = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+    start = plugin_data_pb2.HParamsPluginData.FromString(content[hparams_metadata.SESSION_START_INFO_TAG])
+    values = {name: getattr(value, value.WhichOneof("kind")) for name, value in start.session_start_info.hparams.items()}
+    return values, set(content), events
+
+
+def _check_session(run_dir: Path) -> tuple[dict[str, Any], EventAccumulator]:
+    hparams, tags, events = read_hparams_plugin(run_dir)
+    # Start and end of the session; no experiment summary (TensorBoard would take ONE run's column list
+    # for all runs) and no placeholder metric points: val/acc1 holds the one real validation only.
+    assert tags == {hparams_metadata.SESSION_START_INFO_TAG, hparams_metadata.SESSION_END_INFO_TAG}
+    assert len(events.Scalars("val/acc1")) == 1
+    return hparams, events
+
+
+def test_single_process_fit_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
+    train.main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *TINY_CLI,
+                "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.accumulate_grad_batches=2",
+                f"--data.data_dir={data_dir}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    hparams, _ = _check_session(tmp_path / "lightning_logs" / "version_0")
+    assert {key: hparams[key] for key in ("strategy", "world_size", "accumulate_grad_batches", "dataset_used",
+                                          "stage", "precision", "net", "global_batch_size", "seed")} == {
+        "strategy": "single_device", "world_size": 1, "accumulate_grad_batches": 2, "dataset_used": "synthetic",
+        "stage": "fit", "precision": "32-true", "net": "template", "global_batch_size": 128, "seed": 0}
+    assert "strategy/sync_mode" not in hparams and not any(key.startswith("_") for key in hparams)
+
+
+@pytest.mark.distributed
+def test_custom_ddp_two_processes_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
+    # custom_ddp_fork: the quickstart's strategy on its 2 processes, forked from this one (seconds, not a re-run).
+    cli = train.main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), *TINY_CLI,
+                      "--trainer.strategy=custom_ddp_fork", "--trainer.strategy.sync_mode=flat",
+                      "--trainer.accumulate_grad_batches=2",
+                      f"--data.data_dir={data_dir}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    assert cli.trainer.world_size == 2
+    hparams, _ = _check_session(tmp_path / "lightning_logs" / "version_0")
+    assert {key: hparams[key] for key in (
+        "strategy", "strategy/sync_mode", "strategy/start_method", "strategy/sync_batchnorm", "strategy/bucket_cap_mb",
+        "strategy/process_group_backend", "world_size", "accumulate_grad_batches", "dataset_used", "global_batch_size",
+    )} == {"strategy": "custom_ddp", "strategy/sync_mode": "flat", "strategy/start_method": "fork",
+           "strategy/sync_batchnorm": "True", "strategy/bucket_cap_mb": 25.0, "strategy/process_group_backend": "gloo",
+           "world_size": 2, "accumulate_grad_batches": 2, "dataset_used": "synthetic", "global_batch_size": 256}
+
+
+def test_validate_and_test_stages_and_other_loggers(tmp_path: Path, tiny_datamodule) -> None:
+    """Direct Trainer use: one session per stage; a non-TensorBoard logger gets the same parameters."""
+    csv = CSVLogger(tmp_path, name="csv")
+    trainer = Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=1, limit_test_batches=1, callbacks=[RunHparams()],
+                      logger=[TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False), csv],
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    model, datamodule = LitClassifier(net="template"), tiny_datamodule()
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+    hparams, tags, _ = read_hparams_plugin(tmp_path / "tb" / "version_0")
+    assert hparams["stage"] == "validate" and hparams["strategy"] == "single_device"
+    assert hparams_metadata.SESSION_END_INFO_TAG in tags
+    assert yaml.safe_load(Path(csv.log_dir, "hparams.yaml").read_text())["strategy"] == "single_device"
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    (callback,) = [cb for cb in trainer.callbacks if isinstance(cb, RunHparams)]
+    assert callback.hparams["stage"] == "test"
+
+
+def test_flatten_hparams_gives_tensorboard_scalars() -> None:
+    flat = flatten_hparams({"a": {"b": 1, "c": {"d": None}}, "e": [1, 2], "f": True, "g": 0.5, "h": {}})
+    assert flat == {"a/b": 1, "a/c/d": "None", "e": "[1, 2]", "f": True, "g": 0.5, "h": "{}"}
+
+
+def test_strategy_name_is_the_registered_name() -> None:
+    class MyDDP(DDPStrategy):
+        pass
+
+    assert strategy_name(CustomDDPStrategy()) == "custom_ddp"
+    assert strategy_name(CustomDDPStrategy(start_method="fork")) == "custom_ddp"  # the start method is an option
+    assert strategy_name(DDPStrategy()) == "ddp"
+    assert strategy_name(SingleDeviceStrategy("cpu")) == "single_device"
+    assert strategy_name(MyDDP()) == "MyDDP"
