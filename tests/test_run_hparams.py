@@ -3,7 +3,6 @@ options, the world size, accumulation and the data used; read back from the even
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,7 @@ TINY_CLI = [
 ]
 
 
-def _train():
-    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _train()
+import train  # noqa: E402  (train.py at the repository root, on pytest's pythonpath)
 
 
 def read_hparams_plugin(run_dir: Path) -> tuple[dict[str, Any], set[str], EventAccumulator]:

@@ -4,7 +4,6 @@ short class name, and the refused --optimizer flags."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from datetime import timedelta
@@ -23,15 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
-def _load_train_module():
-    # train.py is a script at the repository root, not part of the installed packages.
-    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load_train_module()
+import train  # noqa: E402  (train.py at the repository root, on pytest's pythonpath)
 
 
 def _print_config(capsys: pytest.CaptureFixture, *configs: str, extra: tuple[str, ...] = ()) -> dict:
