@@ -91,7 +91,6 @@ def run_hparams(trainer: Trainer, pl_module: LightningModule) -> dict[str, Scala
     batch_size = datamodule_hparams.get("batch_size")
     params.update({
         "strategy": strategy_name(trainer.strategy),
-        "strategy/": options,  # flattened below to strategy/class, strategy/sync_mode, ...
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "devices": trainer.num_devices,
@@ -107,8 +106,8 @@ def run_hparams(trainer: Trainer, pl_module: LightningModule) -> dict[str, Scala
     if isinstance(seed, str) and seed.lstrip("-").isdigit():
         params["seed"] = int(seed)
     # "_instantiator" and other private keys: LightningCLI bookkeeping, not hyperparameters.
-    flat = flatten_hparams({k: v for k, v in params.items() if k != "strategy/" and not k.startswith("_")})
-    flat.update(flatten_hparams(options, prefix="strategy/"))
+    flat = flatten_hparams({k: v for k, v in params.items() if not k.startswith("_")})
+    flat.update(flatten_hparams(options, prefix="strategy/"))  # strategy/class, strategy/sync_mode, ...
     return flat
 
 
