@@ -1,7 +1,7 @@
 """The hand-written data-parallelism core of lit-cifar: pure torch, never imports Lightning.
 
 Importing this package (or any module in it) loads torch (and torchmetrics for
-``metric_reduction``) but not Lightning; ``tests/test_layout.py`` checks that in a fresh
+``metric_sync``) but not Lightning; ``tests/test_layout.py`` checks that in a fresh
 interpreter. The Lightning adapters that plug these parts into a Trainer live in
 :mod:`strategies`.
 
@@ -15,7 +15,8 @@ Modules, one concern each:
   all-reduce overlapped with backward, ``no_sync()`` for accumulation).
 - ``zero``: ``ShardedOptimizer`` (ZeRO-1).
 - ``eval_sharding``: rank 0 decides evaluation shards and scatters them.
-- ``metric_reduction``: exact dataset metrics from uneven shards in one all-reduce.
+- ``uneven_gather``: gathers of tensors whose shapes differ across ranks (layouts first).
+- ``metric_sync``: exact torchmetrics from uneven shards, a few batched collectives per loader.
 
 Nothing is imported here, so importing one module costs only that module.
 """

@@ -51,20 +51,23 @@ from datetime import timedelta
 from typing import Any, Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn import Module
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SyncMode
+from parallel.uneven_gather import all_gather_padded, all_gather_rows
 from parallel.zero import ShardedOptimizer
 from strategies.evaluation import ScatteredEvaluation
 from strategies.layer_sync import CustomSyncBatchNorm
@@ -75,7 +78,6 @@ __all__ = ["CustomDDPStrategy"]
 log = logging.getLogger(__name__)
 
 _REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
-_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
 
 class CustomDDPStrategy(DDPStrategy):
@@ -131,8 +133,7 @@ class CustomDDPStrategy(DDPStrategy):
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
-        self._evaluation = ScatteredEvaluation()
-        self._in_scattered_step = False  # inside a validation/test step of scattered evaluation
+        self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
 
     @property
     def sync_batchnorm(self) -> bool:
@@ -238,7 +239,7 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if self._in_scattered_step:
+        if self._evaluation.in_step:
             # ``self.log(..., on_step=True, sync_dist=True)`` syncs inside the step, but ranks run
             # different numbers of evaluation steps: a per-step collective would pair with another
             # rank's epoch-end one and break the run. A step value stays this rank's own; the
@@ -254,60 +255,47 @@ class CustomDDPStrategy(DDPStrategy):
         return super().reduce(tensor, group, reduce_op)
 
     # ----------------------------------------------------------------- scatter evaluation
+    # Every hook delegates to the one owner of scatter evaluation, ``self._evaluation``.
 
-    def _scatters_now(self) -> bool:
-        """Whether the loaders being set up / run now belong to scattered evaluation."""
+    @property
+    def _trainer(self) -> Optional[pl.Trainer]:
         module = self.lightning_module
-        if not self._scatter_eval or self.world_size == 1 or module is None or module._trainer is None:
-            return False
-        return module.trainer.state.stage in _EVAL_STAGES
+        return None if module is None else module._trainer
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Evaluation loaders are sharded by the scatter below: let the sampler Lightning injects
-        # be the identity (full dataset, no padding duplicates, no "use devices=1" warning).
-        if self._scatters_now():
+        # Evaluation loaders are sharded by the scatter: let the sampler Lightning injects be the
+        # identity (full dataset, no padding duplicates, no "use devices=1" warning).
+        if self._evaluation.applies(self._trainer):
             return {"num_replicas": 1, "rank": 0}
         return super().distributed_sampler_kwargs
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not self._scatters_now():
+        if not self._evaluation.applies(self._trainer):
             return dataloader
-        device = self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
-        return self._evaluation.loader(dataloader, self.lightning_module.trainer, device=device)
-
-    def _scattered_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        self._in_scattered_step = self._scatters_now()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self._in_scattered_step = False
-
-    def _begin_eval(self) -> None:
-        if self._scatters_now():
-            self._evaluation.begin(self.lightning_module.trainer, self.lightning_module)
+        return self._evaluation.loader(dataloader, self._trainer, device=self._collective_device)
 
     @override
     def on_validation_start(self) -> None:
-        self._begin_eval()
+        self._evaluation.start(self._trainer, self.lightning_module, device=self._collective_device)
 
     @override
     def on_test_start(self) -> None:
-        self._begin_eval()
+        self._evaluation.start(self._trainer, self.lightning_module, device=self._collective_device)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._scattered_step(super().validation_step, *args, **kwargs)
-        self._evaluation.after_step()
-        return output
+        return self._evaluation.step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._scattered_step(super().test_step, *args, **kwargs)
-        self._evaluation.after_step()
-        return output
+        return self._evaluation.step(super().test_step, *args, **kwargs)
 
     @override
     def on_validation_end(self) -> None:
@@ -316,6 +304,42 @@ class CustomDDPStrategy(DDPStrategy):
     @override
     def on_test_end(self) -> None:
         self._evaluation.end()
+
+    # ----------------------------------------------------------------- gathers of uneven shapes
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """``ddp``'s result on any shapes: ``world_size`` stacked along dim 0, short ranks padded.
+
+        Shapes are exchanged first, so every rank takes the same decision: equal shapes give
+        exactly ``ddp``'s gather; row counts that differ (per-sample outputs of uneven evaluation
+        shards) are padded with repeats of the rank's own rows, as ``DistributedSampler`` pads, with
+        a warning; other differences raise on every rank. :meth:`all_gather_samples` gives each
+        sample once instead.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            return tensor
+        gathered, padding = all_gather_padded(tensor, group=group, sync_grads=sync_grads,
+                                              device=self._collective_device)
+        if padding:
+            rank_zero_warn(f"custom_ddp: all_gather of per-rank row counts that differ: {padding} of the "
+                           f"{gathered.shape[0] * gathered.shape[1]} gathered rows are padding (repeats of a rank's "
+                           "own rows, as DistributedSampler pads). To get each sample once, in dataset order, "
+                           "use self.trainer.strategy.all_gather_samples(...).")
+        return gathered
+
+    def all_gather_samples(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        """Every rank's rows of each tensor in ``data`` once, concatenated in rank order.
+
+        Scatter evaluation gives each rank a contiguous shard, so per-sample outputs kept in
+        ``validation_step``/``test_step`` come back in dataset order, each sample once (Lightning's
+        ``all_gather`` under ``ddp`` repeats padded samples). ``data``: a tensor or a collection of
+        tensors; a 0-d tensor counts as one row; ``sync_grads=True`` keeps the gather differentiable.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            return data
+        return apply_to_collection(data, torch.Tensor, all_gather_rows, group=group, sync_grads=sync_grads,
+                                   device=self._collective_device)
 
     @classmethod
     @override

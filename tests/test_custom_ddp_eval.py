@@ -202,10 +202,9 @@ def test_limit_val_batches_runs_on_every_rank(limit) -> None:
     (0, 4, 1.0, "contiguous"),       # nothing on any rank: every rank skips, consistently
 ])
 def test_layout_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, limit, layout) -> None:
-    loader = DataLoader(range(num_samples), batch_size=batch_size)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _choose_layout(num_samples, 2, loader, limit) == layout
+        assert _choose_layout(num_samples, 2, (batch_size, False), limit) == layout
     assert any("padded layout" in str(w.message) for w in caught) == (layout == "strided_padded")
 
 

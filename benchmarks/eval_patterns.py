@@ -1,0 +1,148 @@
+"""Evaluation patterns Lightning users write every day, for the conformance table and its tests.
+
+:class:`PatternModule` evaluates 11 samples (binary labels, batches of 4) with a fixed linear
+model and, in one validation run, exercises every kind of torchmetrics state and wrapper, the
+gathers of Lightning's docs and the hooks users update metrics in. Two ranks get 6 and 5 samples
+under ``custom_ddp`` (6 and 6, one duplicate, under ``ddp``). What a rank gathers is written to
+``out_dir`` so the parent process can read it. The module knows nothing about the strategy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, RunningMean
+from torchmetrics.classification import (BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision, BinaryF1Score,
+                                         MulticlassAccuracy)
+from torchmetrics.regression import MeanSquaredError
+from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapper
+
+__all__ = ["NUM_SAMPLES", "CallbackAUROC", "MeanStateMetric", "PatternModule", "dataset"]
+
+NUM_SAMPLES = 11
+BATCH_SIZE = 4
+
+
+def dataset(n: int = NUM_SAMPLES, seed: int = 0) -> TensorDataset:
+    """``(features, label, index)`` rows; the labels are not separable by the fixed model."""
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 4, generator=generator), torch.randint(0, 2, (n,), generator=generator),
+                         torch.arange(n))
+
+
+class MeanStateMetric(Metric):
+    """A state reduced by ``"mean"`` across ranks: not mergeable exactly (torchmetrics' own sync)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("batch_mean_sum", torch.tensor(0.0), dist_reduce_fx="mean")
+        self.add_state("batches", torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, values: torch.Tensor) -> None:
+        self.batch_mean_sum += values.mean()
+        self.batches += 1
+
+    def compute(self) -> torch.Tensor:
+        return self.batch_mean_sum / self.batches
+
+
+def _metrics() -> nn.ModuleDict:
+    accuracy_f1 = BinaryAccuracy() + BinaryF1Score()  # a compositional metric
+    return nn.ModuleDict({
+        "auroc": BinaryAUROC(), "ap": BinaryAveragePrecision(), "auroc_cpu": BinaryAUROC(compute_on_cpu=True),
+        "max": MaxMetric(), "min": MinMetric(), "mean_step_synced": MeanMetric(dist_sync_on_step=True),
+        "local_acc": BinaryAccuracy(sync_on_compute=False), "mean_state": MeanStateMetric(),
+        "running_mean": RunningMean(window=2), "minmax": MinMaxMetric(BinaryAccuracy()),
+        "collection": MetricCollection({"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()}),
+        "collection_nogroups": MetricCollection({"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()},
+                                                compute_groups=False),
+        "classwise": ClasswiseWrapper(MulticlassAccuracy(num_classes=2, average=None), labels=["neg", "pos"]),
+        "multitask": MultitaskWrapper({"acc": BinaryAccuracy(), "mse": MeanSquaredError()}),
+        "accuracy_plus_f1": accuracy_f1,
+        "epoch_end_ap": BinaryAveragePrecision(), "batch_end_auroc": BinaryAUROC(),
+    })
+
+
+class PatternModule(pl.LightningModule):
+    """Validation only: every metric pattern at once; gathers and counts written to ``out_dir``."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.out_dir = Path(out_dir)
+        self.metrics = _metrics()
+        self.scores: list[torch.Tensor] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        features, labels, _ = batch
+        scores = torch.sigmoid(self.net(features).squeeze(1))
+        m = self.metrics
+        for name in ("auroc", "ap", "auroc_cpu", "local_acc", "minmax", "accuracy_plus_f1"):
+            m[name].update(scores, labels)
+        for name in ("max", "min", "mean_step_synced", "mean_state", "running_mean"):
+            m[name].update(scores)
+        m["collection"].update(scores, labels)
+        m["collection_nogroups"].update(scores, labels)
+        m["classwise"].update(torch.stack([1 - scores, scores], 1), labels)
+        m["multitask"].update({"acc": scores, "mse": scores}, {"acc": labels, "mse": labels.float()})
+        m["epoch_end_ap"].update(scores, labels)
+        self.scores.append(scores)
+        self.log("sync_dist_mean", scores.mean(), sync_dist=True, batch_size=len(scores))
+        self.log("step_sync_dist", scores.sum(), on_step=True, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        for name in ("auroc", "ap", "auroc_cpu", "max", "min", "mean_step_synced", "local_acc", "mean_state",
+                     "running_mean", "accuracy_plus_f1"):
+            self.log(name, m[name], batch_size=len(scores))
+        return scores
+
+    def on_validation_batch_end(self, outputs: torch.Tensor, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.metrics["batch_end_auroc"].update(outputs, batch[1])
+
+    def on_validation_epoch_end(self) -> None:
+        m = self.metrics
+        for name in ("minmax", "collection", "collection_nogroups", "classwise", "multitask"):
+            values = m[name].compute()
+            self.log_dict({f"{name}/{key}": value for key, value in values.items()})
+            m[name].reset()
+        for name in ("epoch_end_ap", "batch_end_auroc"):
+            self.log(name, m[name].compute())
+            m[name].reset()
+        self._gather(torch.cat(self.scores))
+        self.scores = []
+
+    def _gather(self, scores: torch.Tensor) -> None:
+        """Lightning docs' pattern: ``self.all_gather`` of per-sample outputs (and the exact gather)."""
+        gathered = self.all_gather(scores)
+        record = {"all_gather_shape": list(gathered.shape), "all_gather_sum": float(gathered.sum())}
+        exact = getattr(self.trainer.strategy, "all_gather_samples", None)
+        if exact is not None:
+            rows = exact(scores)
+            record.update(all_gather_samples_rows=len(rows), all_gather_samples_sum=float(rows.sum()))
+        if self.global_rank == 0 and not self.trainer.sanity_checking:
+            (self.out_dir / "gather.json").write_text(json.dumps(record))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=BATCH_SIZE)
+
+
+class CallbackAUROC(Callback):
+    """A metric owned by a callback, updated from the step outputs, computed and logged at epoch end."""
+
+    def __init__(self) -> None:
+        self.auroc = BinaryAUROC()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.auroc.update(outputs, batch[1])
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("callback_auroc", self.auroc.compute())
+        self.auroc.reset()
