@@ -19,13 +19,14 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import Metric, MetricCollection
-from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, RunningMean
+from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, RunningMean, SumMetric
 from torchmetrics.classification import (BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision, BinaryF1Score,
                                          MulticlassAccuracy)
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapper
 
-__all__ = ["NUM_SAMPLES", "CallbackAUROC", "MeanStateMetric", "PatternModule", "dataset"]
+__all__ = ["NUM_SAMPLES", "CallbackAUROC", "IteratorStepsModule", "MeanStateMetric", "PatternModule", "VariableWidthGather",
+           "dataset"]
 
 NUM_SAMPLES = 11
 BATCH_SIZE = 4
@@ -78,6 +79,8 @@ class PatternModule(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.net.bias.add_(0.6)  # scores around 0.5: both predicted classes occur
         self.out_dir = Path(out_dir)
         self.metrics = _metrics()
         self.scores: list[torch.Tensor] = []
@@ -146,3 +149,31 @@ class CallbackAUROC(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("callback_auroc", self.auroc.compute())
         self.auroc.reset()
+
+
+class IteratorStepsModule(pl.LightningModule):
+    """``dataloader_iter`` validation steps; a test step for loaders that are plain lists (``trainer.test(m, [0])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.count = SumMetric()
+
+    def validation_step(self, dataloader_iter: Any) -> None:
+        batch, _, _ = next(dataloader_iter)
+        self.count.update(torch.tensor(float(len(batch[0]))))
+        self.log("count", self.count)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.count.update(torch.tensor(1.0))
+        self.log("count", self.count)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=BATCH_SIZE)
+
+
+class VariableWidthGather(PatternModule):
+    """``self.all_gather`` of outputs whose second dimension differs by rank (variable-length outputs)."""
+
+    def on_validation_epoch_end(self) -> None:
+        self.all_gather(torch.zeros(2, 2 + self.global_rank))

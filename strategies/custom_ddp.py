@@ -21,18 +21,17 @@ Lightning's. It replaces three things, each through a public seam of the strateg
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
    replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
-   over this rank's shard (:mod:`strategies.evaluation`): rank 0 scatters contiguous shards of
-   the sample INDICES and every rank reads its own samples through the user's loader settings,
-   so every sample is evaluated once and no sample crosses the network. Shards differ by
-   one sample, so ranks run different numbers of batches and nothing may communicate per batch.
-   The module's torchmetrics objects are made exact without the module knowing: their
-   compute-time sync is off for the run and, after a rank's last step of each loader, the sum
-   states of the metrics updated in it are all-reduced in ONE collective
-   (:mod:`parallel.metric_reduction`), before Lightning computes and logs them. The module's
-   side of the contract: log evaluation metrics as torchmetrics objects with sum states
-   (accuracy, ``MeanMetric``, ...) updated in ``validation_step``/``test_step``; plain tensors
-   logged with ``sync_dist=True`` cost a collective per key (and hang with ``on_step=True``).
-   Loggers and the progress bar stay rank-0-only as in Lightning; prediction is unchanged.
+   over this rank's shard (:mod:`strategies.evaluation`, the one owner of scatter evaluation):
+   rank 0 scatters contiguous shards of the sample INDICES and every rank reads its own samples
+   through the user's loader settings, so every sample is evaluated once and no sample crosses the
+   network. Shards differ by one sample, so ranks run different numbers of batches and nothing may
+   communicate per batch. Every torchmetrics metric of the module and of the callbacks is made
+   exact without the module knowing (:mod:`parallel.metric_sync`: its compute-time sync waits for
+   the rank's last step of the loader, then all metrics merge in at most four collectives);
+   ``self.log(sync_dist=True)`` epoch means are exact, step values stay per rank;
+   :meth:`CustomDDPStrategy.all_gather` accepts uneven row counts (``ddp``'s padded shape, with a
+   warning) and :meth:`CustomDDPStrategy.all_gather_samples` gives each sample once, in dataset
+   order. Loggers and the progress bar stay rank-0-only as in Lightning; prediction is unchanged.
 
 Example::
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
-from torchmetrics import MaxMetric, MeanMetric, SumMetric
+from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-from benchmarks.eval_patterns import NUM_SAMPLES, CallbackAUROC, PatternModule, dataset
+from benchmarks.eval_patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, dataset
 from callbacks.collective_count import count_collectives
 from collectives.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
@@ -127,31 +127,10 @@ def test_a_loader_with_sum_max_and_cat_metrics_costs_four_collectives_per_epoch(
         assert counts == {"all_reduce": 2, "all_gather": 2}, counts
 
 
-class _IteratorSteps(pl.LightningModule):
-    """``dataloader_iter`` steps, and a test run over a plain list (Lightning's own test suite does both)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-        self.count = SumMetric()
-
-    def validation_step(self, dataloader_iter) -> None:
-        batch, _, _ = next(dataloader_iter)
-        self.count.update(torch.tensor(float(len(batch[0]))))
-        self.log("count", self.count)
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self.count.update(torch.tensor(1.0))
-        self.log("count", self.count)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(dataset(), batch_size=4)
-
-
 def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under_ddp() -> None:
     trainer = _trainer(_custom())
-    assert _validate(trainer, _IteratorSteps()) == {"count": float(NUM_SAMPLES)}
-    assert trainer.test(_IteratorSteps(), [0, 1, 2], verbose=False) == [{"count": 6.0}]  # each rank: all 3, as ddp
+    assert _validate(trainer, IteratorStepsModule()) == {"count": float(NUM_SAMPLES)}
+    assert trainer.test(IteratorStepsModule(), [0, 1, 2], verbose=False) == [{"count": 6.0}]  # each rank: all 3, as ddp
     loader = [0, 1, 2]
     with pytest.warns(UserWarning, match="is a list, not a torch DataLoader: it is used as it is"):
         assert ScatteredEvaluation().loader(loader, trainer, device=torch.device("cpu")) is loader

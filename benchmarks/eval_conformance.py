@@ -1,0 +1,156 @@
+"""Conformance table: each evaluation pattern under 1 process, Lightning's ``ddp`` and ``custom_ddp``.
+
+Runs the patterns of :mod:`benchmarks.eval_patterns` on 11 samples (2 CPU ranks, fork + gloo,
+batches of 4) and writes ``results.json`` + ``results.md`` and README.md's block between
+``<!-- conformance:begin -->`` and ``<!-- conformance:end -->``. Values are what rank 0 logged.
+A value of ``custom_ddp`` or ``ddp`` that differs from one process by more than 1e-6 is marked ≠::
+
+    python -m benchmarks.eval_conformance                 # about a minute on 2 cores
+    python -m benchmarks.eval_conformance --out /tmp/x    # elsewhere; README untouched
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from benchmarks.eval_patterns import CallbackAUROC, IteratorStepsModule, PatternModule, VariableWidthGather
+from callbacks.run_info import environment
+from strategies.custom_ddp import CustomDDPStrategy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "eval_conformance"
+BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
+SETTINGS = ("one_process", "ddp", "custom_ddp")
+# What each logged key is, for a reader; keys not listed are shown as they are.
+LABELS = {
+    "auroc": "BinaryAUROC logged in validation_step (list/cat states)",
+    "ap": "BinaryAveragePrecision (cat states)",
+    "auroc_cpu": "BinaryAUROC(compute_on_cpu=True)",
+    "max": "MaxMetric", "min": "MinMetric",
+    "mean_step_synced": "MeanMetric(dist_sync_on_step=True)",
+    "local_acc": "BinaryAccuracy(sync_on_compute=False): local by design (rank 0's shard)",
+    "mean_state": "a metric with \"mean\" states: torchmetrics' own sync (mean over ranks)",
+    "running_mean": "RunningMean(window=2): windows of per-rank batches",
+    "accuracy_plus_f1": "compositional: BinaryAccuracy() + BinaryF1Score()",
+    "epoch_end_ap": "BinaryAveragePrecision computed in on_validation_epoch_end",
+    "batch_end_auroc": "BinaryAUROC updated in on_validation_batch_end",
+    "callback_auroc": "BinaryAUROC owned by a Callback",
+    "sync_dist_mean": "self.log(mean, sync_dist=True)",
+    "step_sync_dist_epoch": "self.log(sum, on_step=True, sync_dist=True, reduce_fx=\"sum\")",
+    "all_gather_shape": "self.all_gather(per-sample scores) at epoch end: shape",
+    "all_gather_samples_rows": "strategy.all_gather_samples(per-sample scores): rows",
+    "dataloader_iter_count": "SumMetric of samples, dataloader_iter steps",
+    "list_loader_count": "trainer.test(model, [0, 1, 2]): SumMetric of steps",
+    "variable_width_all_gather": "self.all_gather of (2, 2 + rank) tensors",
+}
+PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
+    "minmax": "MinMaxMetric(BinaryAccuracy())", "collection": "MetricCollection(F1, AP), compute groups",
+    "collection_nogroups": "MetricCollection(F1, AP, compute_groups=False)",
+    "classwise": "ClasswiseWrapper(MulticlassAccuracy(average=None))", "multitask": "MultitaskWrapper(acc, mse)",
+}
+
+
+def _label(key: str) -> str:
+    prefix, _, name = key.partition("/")
+    return f"{PREFIX_LABELS[prefix]}: {name}" if prefix in PREFIX_LABELS else LABELS.get(key, key)
+
+
+def _strategy(setting: str) -> Any:
+    if setting == "one_process":
+        return "auto"
+    kind = DDPStrategy if setting == "ddp" else CustomDDPStrategy
+    return kind(start_method="fork", timeout=timedelta(seconds=30))
+
+
+def _trainer(setting: str, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1 if setting == "one_process" else 2, strategy=_strategy(setting),
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, max_epochs=1, **kwargs)
+
+
+def _outcome(run: Callable[[], Any]) -> Any:
+    """The run's result, or the last line of the error it ended with (every rank's, via the launcher)."""
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001 - recorded, not hidden: the table shows it
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        last = lines[-1].split(": ", 1)[-1] if lines else ""  # the message, without the module path
+        return f"error ({type(err).__name__}): {last}"[:240]
+
+
+def _patterns(setting: str, work: Path) -> dict[str, Any]:
+    out = work / setting
+    out.mkdir(parents=True, exist_ok=True)
+    values: dict[str, Any] = dict(_trainer(setting, callbacks=[CallbackAUROC()]).validate(PatternModule(out),
+                                                                                          verbose=False)[0])
+    gathered = json.loads((out / "gather.json").read_text())
+    values["all_gather_shape"] = "x".join(map(str, gathered["all_gather_shape"]))
+    values["all_gather_samples_rows"] = gathered.get("all_gather_samples_rows", "n/a")
+    values["dataloader_iter_count"] = _trainer(setting).validate(IteratorStepsModule(), verbose=False)[0]["count"]
+    values["list_loader_count"] = _trainer(setting).test(IteratorStepsModule(), [0, 1, 2], verbose=False)[0]["count"]
+    values["variable_width_all_gather"] = _outcome(
+        lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered")
+    return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}
+
+
+def _cell(value: Any, reference: Any) -> str:
+    if isinstance(value, float):
+        differs = isinstance(reference, float) and abs(value - reference) > 1e-6
+        return f"{value:.4f}" + (" ≠" if differs else "")
+    return str(value)
+
+
+def render(record: dict[str, Any]) -> list[str]:
+    versions = record["environment"]["versions"]
+    lines = [f"_Generated by `{record['command']}` (torch {versions.get('torch')}, Lightning "
+             f"{versions.get('lightning')}, torchmetrics {versions.get('torchmetrics')}); 11 samples, 2 CPU ranks; "
+             "≠: differs from one process by more than 1e-6._",
+             "", "| pattern | 1 process | ddp | custom_ddp |", "|---|---|---|---|"]
+    for row in record["rows"]:
+        reference = row["one_process"]
+        lines.append(f"| {row['pattern']} | {_cell(reference, None)} | {_cell(row['ddp'], reference)} | "
+                     f"{_cell(row['custom_ddp'], reference)} |")
+    return lines
+
+
+def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md") -> tuple[str, str]:
+    """``(README text, README text with a fresh block)``; raises if the markers are missing."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} block: add both markers where the table goes")
+    head, rest = text.split(BEGIN, 1)
+    return text, head + "\n".join([BEGIN, "", *render(record), "", END]) + rest.split(END, 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}, and README)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as work:
+        runs = {setting: _patterns(setting, Path(work)) for setting in SETTINGS}
+    keys = list(runs["one_process"])
+    rows = [{"key": key, "pattern": _label(key), **{s: runs[s].get(key) for s in SETTINGS}} for key in keys]
+    record = {"command": "python -m benchmarks.eval_conformance", "environment": environment(), "rows": rows}
+    out = args.out or DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "results.md").write_text("\n".join(["# Evaluation conformance", "", *render(record)]) + "\n")
+    if args.out is None:
+        readme = REPO_ROOT / "README.md"
+        readme.write_text(update_readme(record, readme)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
