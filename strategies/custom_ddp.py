@@ -133,6 +133,7 @@ class CustomDDPStrategy(DDPStrategy):
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
         self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
+        self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
     @property
     def sync_batchnorm(self) -> bool:
@@ -169,6 +170,7 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._running_stage = trainer.state.fn
         if trainer.state.fn == TrainerFn.FITTING and self._sync_batchnorm:
             self._layer_sync = self._resolve_layer_sync()
         super().setup(trainer)
@@ -181,6 +183,26 @@ class CustomDDPStrategy(DDPStrategy):
             rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
             return CustomSyncBatchNorm()
         return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        launch = self._launcher.launch
+
+        def launch_one_stage_at_a_time(function: Any, *args: Any, **kwargs: Any) -> Any:
+            # A trainer.validate/test/fit/predict called from a hook or callback while another runs
+            # would re-launch the processes from inside a rank (Lightning's fork launcher then fails
+            # with an unrelated CUDA message, one process with an AssertionError). Every rank makes
+            # the same call at the same point, so every rank raises this one error there.
+            if self._running_stage is not None:
+                called = kwargs["trainer"].state.fn.value if kwargs.get("trainer") is not None else "<stage>"
+                raise RuntimeError(f"custom_ddp: trainer.{called}() was called while trainer."
+                                   f"{self._running_stage.value}() is running (from a hook or callback). Lightning "
+                                   "runs one stage at a time: call it after the running one returns, e.g. after "
+                                   "trainer.fit(...) in your script.")
+            return launch(function, *args, **kwargs)
+
+        self._launcher.launch = launch_one_stage_at_a_time
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
@@ -216,6 +238,7 @@ class CustomDDPStrategy(DDPStrategy):
             self.model.remove_hooks()
             self.model = self.lightning_module
         self._evaluation.end()
+        self._running_stage = None
         super().teardown()
 
     # ----------------------------------------------------------------- gradient sync

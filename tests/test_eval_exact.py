@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
@@ -134,3 +134,64 @@ def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under
     loader = [0, 1, 2]
     with pytest.warns(UserWarning, match="is a list, not a torch DataLoader: it is used as it is"):
         assert ScatteredEvaluation().loader(loader, trainer, device=torch.device("cpu")) is loader
+
+
+class _ValidateInsideFit(Callback):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.validate(pl_module, dataloaders=DataLoader(dataset(), batch_size=4), verbose=False)
+
+
+def test_a_second_trainer_call_inside_fit_fails_with_one_clear_message_on_every_rank() -> None:
+    trainer = _trainer(_custom(), callbacks=[_ValidateInsideFit()], num_sanity_val_steps=0, limit_train_batches=2)
+    module = IteratorStepsModule()
+    module.training_step = lambda batch, batch_idx: module.net(batch[0]).sum()
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.1)
+    module.train_dataloader = lambda: DataLoader(dataset(), batch_size=4)
+    with pytest.raises(Exception, match=r"trainer.validate\(\) was called while trainer.fit\(\) is running"):
+        trainer.fit(module)
+
+
+class _FrozenAUROC(pl.LightningModule):
+    """lr=0: validation values never improve, so EarlyStopping(patience=2) stops at the 3rd check, mid-epoch."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+        self.auroc = BinaryAUROC()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.auroc.update(torch.sigmoid(self.net(batch[0]).squeeze(1)), batch[1])
+        self.log("val_auroc", self.auroc)
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:  # where it stopped, in optimizer steps per rank
+            (self.out_dir / "stopped.json").write_text(json.dumps([self.trainer.current_epoch,
+                                                                   self.trainer.global_step]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(32, seed=1), batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=4)
+
+
+def test_mid_epoch_validation_with_early_stopping_on_a_cat_state_metric_stops_like_one_process(tmp_path) -> None:
+    def run(strategy, devices: int) -> tuple[dict, list]:
+        trainer = _trainer(strategy, devices=devices, max_epochs=5, val_check_interval=0.5, num_sanity_val_steps=0,
+                           callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=2)])
+        trainer.fit(_FrozenAUROC(tmp_path))
+        metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+        return metrics, json.loads((tmp_path / "stopped.json").read_text())
+
+    (expected, one_stop), (actual, custom_stop) = run("auto", 1), run(_custom(), 2)
+    assert actual == pytest.approx(expected, rel=1e-6) and set(actual) == {"val_auroc"}
+    # the 3rd check: mid-epoch of epoch 1 (8 batches per epoch in one process, 4 per rank on two)
+    assert one_stop == [2, 12] and custom_stop == [2, 6]  # stopped in epoch 1, which then ends
