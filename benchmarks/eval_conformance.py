@@ -23,7 +23,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from benchmarks.eval_patterns import CallbackAUROC, IteratorStepsModule, PatternModule, VariableWidthGather
+from benchmarks.eval_patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
+                                      VariableWidthGather)
 from callbacks.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
@@ -52,6 +53,8 @@ LABELS = {
     "dataloader_iter_count": "SumMetric of samples, dataloader_iter steps",
     "list_loader_count": "trainer.test(model, [0, 1, 2]): SumMetric of steps",
     "variable_width_all_gather": "self.all_gather of (2, 2 + rank) tensors",
+    "validate_inside_fit": "trainer.validate() from a callback during fit",
+    "auroc_own_group": "BinaryAUROC with a process_group of its own",
 }
 PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
     "minmax": "MinMaxMetric(BinaryAccuracy())", "collection": "MetricCollection(F1, AP), compute groups",
@@ -98,6 +101,8 @@ def _patterns(setting: str, work: Path) -> dict[str, Any]:
     values["all_gather_samples_rows"] = gathered.get("all_gather_samples_rows", "n/a")
     values["dataloader_iter_count"] = _trainer(setting).validate(IteratorStepsModule(), verbose=False)[0]["count"]
     values["list_loader_count"] = _trainer(setting).test(IteratorStepsModule(), [0, 1, 2], verbose=False)[0]["count"]
+    values["validate_inside_fit"] = _outcome(lambda: _trainer(setting, callbacks=[ValidateInsideFit()],
+                                                              num_sanity_val_steps=0).fit(IteratorStepsModule()) or "ran")
     values["variable_width_all_gather"] = _outcome(
         lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered")
     return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}

@@ -25,8 +25,8 @@ from torchmetrics.classification import (BinaryAccuracy, BinaryAUROC, BinaryAver
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapper
 
-__all__ = ["NUM_SAMPLES", "CallbackAUROC", "IteratorStepsModule", "MeanStateMetric", "PatternModule", "VariableWidthGather",
-           "dataset"]
+__all__ = ["NUM_SAMPLES", "CallbackAUROC", "IteratorStepsModule", "MeanStateMetric", "PatternModule", "ValidateInsideFit",
+           "VariableWidthGather", "dataset"]
 
 NUM_SAMPLES = 11
 BATCH_SIZE = 4
@@ -59,6 +59,7 @@ def _metrics() -> nn.ModuleDict:
     accuracy_f1 = BinaryAccuracy() + BinaryF1Score()  # a compositional metric
     return nn.ModuleDict({
         "auroc": BinaryAUROC(), "ap": BinaryAveragePrecision(), "auroc_cpu": BinaryAUROC(compute_on_cpu=True),
+        "auroc_own_group": BinaryAUROC(),  # its process_group is set in setup(), once one exists
         "max": MaxMetric(), "min": MinMetric(), "mean_step_synced": MeanMetric(dist_sync_on_step=True),
         "local_acc": BinaryAccuracy(sync_on_compute=False), "mean_state": MeanStateMetric(),
         "running_mean": RunningMean(window=2), "minmax": MinMaxMetric(BinaryAccuracy()),
@@ -85,11 +86,15 @@ class PatternModule(pl.LightningModule):
         self.metrics = _metrics()
         self.scores: list[torch.Tensor] = []
 
+    def setup(self, stage: str) -> None:
+        if torch.distributed.is_initialized():  # a metric built with a process group of its own
+            self.metrics["auroc_own_group"].process_group = torch.distributed.new_group(backend="gloo")
+
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         features, labels, _ = batch
         scores = torch.sigmoid(self.net(features).squeeze(1))
         m = self.metrics
-        for name in ("auroc", "ap", "auroc_cpu", "local_acc", "minmax", "accuracy_plus_f1"):
+        for name in ("auroc", "ap", "auroc_cpu", "auroc_own_group", "local_acc", "minmax", "accuracy_plus_f1"):
             m[name].update(scores, labels)
         for name in ("max", "min", "mean_step_synced", "mean_state", "running_mean"):
             m[name].update(scores)
@@ -101,7 +106,8 @@ class PatternModule(pl.LightningModule):
         self.scores.append(scores)
         self.log("sync_dist_mean", scores.mean(), sync_dist=True, batch_size=len(scores))
         self.log("step_sync_dist", scores.sum(), on_step=True, on_epoch=True, sync_dist=True, reduce_fx="sum")
-        for name in ("auroc", "ap", "auroc_cpu", "max", "min", "mean_step_synced", "local_acc", "mean_state",
+        for name in ("auroc", "ap", "auroc_cpu", "auroc_own_group", "max", "min", "mean_step_synced", "local_acc",
+                     "mean_state",
                      "running_mean", "accuracy_plus_f1"):
             self.log(name, m[name], batch_size=len(scores))
         return scores
@@ -152,7 +158,10 @@ class CallbackAUROC(Callback):
 
 
 class IteratorStepsModule(pl.LightningModule):
-    """``dataloader_iter`` validation steps; a test step for loaders that are plain lists (``trainer.test(m, [0])``)."""
+    """``dataloader_iter`` validation steps; a test step for loaders that are plain lists (``trainer.test(m, [0])``).
+
+    Trains (one step per batch of 4) so that callbacks of ``fit`` can be exercised too.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,8 +177,24 @@ class IteratorStepsModule(pl.LightningModule):
         self.count.update(torch.tensor(1.0))
         self.log("count", self.count)
 
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(8), batch_size=BATCH_SIZE)
+
     def val_dataloader(self) -> DataLoader:
         return DataLoader(dataset(), batch_size=BATCH_SIZE)
+
+
+class ValidateInsideFit(Callback):
+    """A second Trainer call from a callback while ``fit`` runs."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.validate(pl_module, dataloaders=DataLoader(dataset(), batch_size=BATCH_SIZE), verbose=False)
 
 
 class VariableWidthGather(PatternModule):

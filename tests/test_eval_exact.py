@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-from benchmarks.eval_patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, dataset
+from benchmarks.eval_patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, \
+    ValidateInsideFit, dataset
 from callbacks.collective_count import count_collectives
 from collectives.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
@@ -136,19 +137,10 @@ def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under
         assert ScatteredEvaluation().loader(loader, trainer, device=torch.device("cpu")) is loader
 
 
-class _ValidateInsideFit(Callback):
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        trainer.validate(pl_module, dataloaders=DataLoader(dataset(), batch_size=4), verbose=False)
-
-
 def test_a_second_trainer_call_inside_fit_fails_with_one_clear_message_on_every_rank() -> None:
-    trainer = _trainer(_custom(), callbacks=[_ValidateInsideFit()], num_sanity_val_steps=0, limit_train_batches=2)
-    module = IteratorStepsModule()
-    module.training_step = lambda batch, batch_idx: module.net(batch[0]).sum()
-    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.1)
-    module.train_dataloader = lambda: DataLoader(dataset(), batch_size=4)
+    trainer = _trainer(_custom(), callbacks=[ValidateInsideFit()], num_sanity_val_steps=0)
     with pytest.raises(Exception, match=r"trainer.validate\(\) was called while trainer.fit\(\) is running"):
-        trainer.fit(module)
+        trainer.fit(IteratorStepsModule())
 
 
 class _FrozenAUROC(pl.LightningModule):
