@@ -15,7 +15,7 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
 from torchmetrics.utilities.data import dim_zero_cat
 
-from benchmarks.eval_patterns import MeanStateMetric
+from conformance.patterns import MeanStateMetric
 from callbacks.collective_count import count_collectives
 from collectives.launcher import run_workers
 from parallel.metric_sync import MetricSync, merge_kinds

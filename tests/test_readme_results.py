@@ -35,7 +35,7 @@ def test_missing_markers_are_a_clear_error(tmp_path):
 
 
 def test_readme_conformance_table_matches_its_record():
-    from benchmarks.eval_conformance import DEFAULT_OUT, update_readme
+    from conformance.table import DEFAULT_OUT, update_readme
 
     current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()))
-    assert current == fresh, "README.md's conformance table is stale: run python -m benchmarks.eval_conformance"
+    assert current == fresh, "README.md's conformance table is stale: run python -m conformance.table"

@@ -1,12 +1,12 @@
 """Conformance table: each evaluation pattern under 1 process, Lightning's ``ddp`` and ``custom_ddp``.
 
-Runs the patterns of :mod:`benchmarks.eval_patterns` on 11 samples (2 CPU ranks, fork + gloo,
+Runs the patterns of :mod:`conformance.patterns` on 11 samples (2 CPU ranks, fork + gloo,
 batches of 4) and writes ``results.json`` + ``results.md`` and README.md's block between
 ``<!-- conformance:begin -->`` and ``<!-- conformance:end -->``. Values are what rank 0 logged.
 A value of ``custom_ddp`` or ``ddp`` that differs from one process by more than 1e-6 is marked ≠::
 
-    python -m benchmarks.eval_conformance                 # about a minute on 2 cores
-    python -m benchmarks.eval_conformance --out /tmp/x    # elsewhere; README untouched
+    python -m conformance.table                  # about a minute on 2 cores
+    python -m conformance.table --out /tmp/x     # elsewhere; README untouched
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from benchmarks.eval_patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
-                                      VariableWidthGather)
+from conformance.patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
+                                 VariableWidthGather)
 from callbacks.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "eval_conformance"
+DEFAULT_OUT = REPO_ROOT / "conformance" / "results"
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 SETTINGS = ("one_process", "ddp", "custom_ddp")
 # What each logged key is, for a reader; keys not listed are shown as they are.
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {setting: _patterns(setting, Path(work)) for setting in SETTINGS}
     keys = list(runs["one_process"])
     rows = [{"key": key, "pattern": _label(key), **{s: runs[s].get(key) for s in SETTINGS}} for key in keys]
-    record = {"command": "python -m benchmarks.eval_conformance", "environment": environment(), "rows": rows}
+    record = {"command": "python -m conformance.table", "environment": environment(), "rows": rows}
     out = args.out or DEFAULT_OUT
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
