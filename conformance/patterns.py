@@ -22,7 +22,8 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, RunningMean, SumMetric
 from torchmetrics.classification import (BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision, BinaryF1Score,
                                          MulticlassAccuracy)
-from torchmetrics.regression import MeanSquaredError
+from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
+from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapper
 
 __all__ = ["NUM_SAMPLES", "CallbackAUROC", "IteratorStepsModule", "MeanStateMetric", "PatternModule", "ValidateInsideFit",
@@ -60,6 +61,8 @@ def _metrics() -> nn.ModuleDict:
     return nn.ModuleDict({
         "auroc": BinaryAUROC(), "ap": BinaryAveragePrecision(), "auroc_cpu": BinaryAUROC(compute_on_cpu=True),
         "auroc_own_group": BinaryAUROC(),  # its process_group is set in setup(), once one exists
+        "retrieval_map": RetrievalMAP(),  # list states reduced by None: one gather per update in torchmetrics
+        "pearson": PearsonCorrCoef(),     # tensor states reduced by None (its own merge of moments)
         "max": MaxMetric(), "min": MinMetric(), "mean_step_synced": MeanMetric(dist_sync_on_step=True),
         "local_acc": BinaryAccuracy(sync_on_compute=False), "mean_state": MeanStateMetric(),
         "running_mean": RunningMean(window=2), "minmax": MinMaxMetric(BinaryAccuracy()),
@@ -103,11 +106,13 @@ class PatternModule(pl.LightningModule):
         m["classwise"].update(torch.stack([1 - scores, scores], 1), labels)
         m["multitask"].update({"acc": scores, "mse": scores}, {"acc": labels, "mse": labels.float()})
         m["epoch_end_ap"].update(scores, labels)
+        m["retrieval_map"].update(scores, labels, indexes=batch[2] // 3)  # queries of 3 documents
+        m["pearson"].update(scores, labels.float())
         self.scores.append(scores)
         self.log("sync_dist_mean", scores.mean(), sync_dist=True, batch_size=len(scores))
         self.log("step_sync_dist", scores.sum(), on_step=True, on_epoch=True, sync_dist=True, reduce_fx="sum")
-        for name in ("auroc", "ap", "auroc_cpu", "auroc_own_group", "max", "min", "mean_step_synced", "local_acc",
-                     "mean_state",
+        for name in ("auroc", "ap", "auroc_cpu", "auroc_own_group", "retrieval_map", "pearson", "max", "min",
+                     "mean_step_synced", "local_acc", "mean_state",
                      "running_mean", "accuracy_plus_f1"):
             self.log(name, m[name], batch_size=len(scores))
         return scores

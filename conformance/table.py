@@ -55,6 +55,8 @@ LABELS = {
     "variable_width_all_gather": "self.all_gather of (2, 2 + rank) tensors",
     "validate_inside_fit": "trainer.validate() from a callback during fit",
     "auroc_own_group": "BinaryAUROC with a process_group of its own",
+    "retrieval_map": "RetrievalMAP (list states reduced by None)",
+    "pearson": "PearsonCorrCoef (tensor states reduced by None: torchmetrics' own gather)",
 }
 PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
     "minmax": "MinMaxMetric(BinaryAccuracy())", "collection": "MetricCollection(F1, AP), compute groups",

@@ -13,6 +13,7 @@ import torch
 from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric, SumMetric
 from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
+from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
 
 from conformance.patterns import MeanStateMetric
@@ -128,8 +129,33 @@ def test_empty_ranks_exact_integers_local_metrics_and_unmergeable_states(tmp_pat
         assert result["huge"] == [2**60, 2**60 + 1]
         assert result["local"] == float(rank)
         assert result["mean_state"] == 0.5  # mean over ranks of (sum 0, 1 batch) and (sum 1, 1 batch)
-    assert merge_kinds(MeanStateMetric()) is None
+    assert merge_kinds(MeanStateMetric()) == {"batch_mean_sum": "own", "batches": "own"}
     assert merge_kinds(BinaryAUROC()) == {"preds": "cat", "target": "cat"}
+
+
+def _retrieval_worker(rank: int, world_size: int) -> tuple[float, Counter]:
+    scores, labels, queries = torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0, \
+        torch.arange(11) // 3
+    metric = RetrievalMAP()
+    sync = MetricSync()
+    sync.begin([metric])
+    for batch in ([slice(0, 2), slice(2, 4), slice(4, 6)] if rank == 0 else [slice(6, 11)]):  # 3 updates vs 1
+        metric.update(scores[batch], labels[batch], indexes=queries[batch])
+    sync.set_ready(True)
+    with count_collectives() as collectives:
+        value = float(metric.compute())
+    sync.end()
+    return value, Counter(c.kind for c in collectives)
+
+
+def test_list_states_of_retrieval_metrics_with_different_update_counts_per_rank(tmp_path) -> None:
+    # torchmetrics' own sync would issue one gather per update: 3 on rank 0, 1 on rank 1 (a hang)
+    reference = RetrievalMAP()
+    reference.update(torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0,
+                     indexes=torch.arange(11) // 3)
+    for value, collectives in run_workers(_retrieval_worker, 2, init_file=tmp_path / "store"):
+        assert value == pytest.approx(float(reference.compute()), rel=1e-6)
+        assert collectives == {"all_gather": 3}  # element counts, layouts, bytes
 
 
 def _gather_worker(rank: int, world_size: int) -> dict:
