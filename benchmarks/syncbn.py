@@ -16,6 +16,11 @@ forward+backward of
   made the floor mostly noise on small shapes: it came out above ``custom`` in 5 of 12.)
 - ``torch_syncbn`` (CUDA only): ``torch.nn.SyncBatchNorm``.
 
+And the kernel alone: the same shapes on ONE rank (a 1-rank gloo group, so no collective runs),
+``custom`` against ``local`` (torch's native ``BatchNorm``), targets custom/native <= 1.10 on the
+conv (N, C, H, W) shapes and <= 1.5 on the (N, C) ones, where a Python kernel's ~30 torch calls
+cost more than the arithmetic.
+
 Timing goes through ``benchmarks.harness``: interleaved rounds of the methods, ``--iters``
 iterations of one method per round; each iteration starts after a barrier and its sample is the
 slowest rank's time, because a synchronised step finishes only when its slowest rank does.
@@ -56,6 +61,13 @@ QUICK_SHAPES = [(32, 128), (64, 1024), (32, 64, 16, 16)]
 FULL = {"rounds": 10, "iters": 20, "warmup": 5}
 QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
 TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 0.9)}  # baseline, max custom/baseline
+ONE_RANK_METHODS = ("custom", "local")
+ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape_kind
+
+
+def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
+    """``conv`` for (N, C, H, W) shapes, ``nc`` for (N, C) ones."""
+    return "conv" if len(shape) >= 4 else "nc"
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
@@ -121,7 +133,11 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> list[dict]:
     if cfg["device"] == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    out = [{"samples": _time(_methods(tuple(shape), device, rank), device, cfg)} for shape in shapes]
+    names = cfg.get("methods")
+    out = [{"samples": _time({name: fn for name, fn in _methods(tuple(shape), device, rank).items()
+                              if names is None or name in names}, device, cfg)} for shape in shapes]
+    if not cfg.get("memory", True):
+        return out
     # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
     # each allocation instead of reused heap pages.
     if device.type == "cpu":
@@ -155,9 +171,17 @@ def shape_name(shape: list[int]) -> str:
     return "x".join(map(str, shape))
 
 
-def headline(rows: list[dict], baseline: str) -> dict[str, Any]:
-    """Flat README-ready numbers: custom over the baseline and over local BN, per shape, and the worst."""
+def headline(rows: list[dict], baseline: str, one_rank_rows: list[dict] | None = None) -> dict[str, Any]:
+    """Flat README-ready numbers: custom over the baseline and over local BN, per shape, and the worst;
+    on one rank custom over native BN per shape, and the worst of the conv and of the (N, C) shapes."""
     out: dict[str, Any] = {}
+    one_rank_rows = one_rank_rows or []
+    for row in one_rank_rows:
+        out[f"custom_vs_native_1rank_{shape_name(row['shape'])}"] = row["ratios"]["custom/local"]
+    for kind in ONE_RANK_TARGETS:
+        ratios = [row["ratios"]["custom/local"] for row in one_rank_rows if shape_kind(row["shape"]) == kind]
+        if ratios:
+            out[f"custom_vs_native_1rank_worst_{kind}"] = max(ratios, key=lambda e: e["value"])
     for key in (f"custom/{baseline}", "custom/local"):
         name = key.replace("/", "_vs_")
         for row in rows:
@@ -199,11 +223,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_rank = run_workers(_worker, args.world_size, args=(shapes, cfg), backend=backend,
                            timeout_s=1800.0, threads=args.threads)
     rows = [analyse(shape, [rank[i] for rank in per_rank]) for i, shape in enumerate(shapes)]
+    # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
+    one_rank_cfg = {**cfg, "methods": ONE_RANK_METHODS, "memory": False}
+    (one_rank,) = run_workers(_worker, 1, args=(shapes, one_rank_cfg), backend=backend, timeout_s=1800.0,
+                              threads=args.threads)
+    one_rank_rows = [analyse(shape, [one_rank[i]]) for i, shape in enumerate(shapes)]
     baseline, target = TARGETS[args.device]
     config = {**cfg, "world_size": args.world_size, "backend": backend, "threads": args.threads,
-              "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target}
-    record = make_record("syncbn", config, quiet.finish(), argv=argv, headline=headline(rows, baseline), rows=rows,
-                         wall_s=time.monotonic() - start)
+              "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
+              "one_rank_targets": ONE_RANK_TARGETS}
+    record = make_record("syncbn", config, quiet.finish(), argv=argv, headline=headline(rows, baseline, one_rank_rows),
+                         rows=rows, one_rank_rows=one_rank_rows, wall_s=time.monotonic() - start)
     syncbn_report.write(record, args.out)
     print((args.out / "results.md").read_text())
     return record

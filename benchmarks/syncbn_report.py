@@ -58,6 +58,22 @@ def _table(record: dict[str, Any]) -> list[str]:
     return table(headers, body)
 
 
+def _one_rank(record: dict[str, Any]) -> list[str]:
+    """The kernel alone: custom vs torch's BatchNorm on one rank, against the per-kind targets."""
+    rows, targets = record.get("one_rank_rows"), record["config"].get("one_rank_targets", {})
+    if not rows:
+        return []
+    body = []
+    for row in rows:
+        ratio, target = row["ratios"]["custom/local"], targets["conv" if len(row["shape"]) >= 4 else "nc"]
+        body.append([_shape(row), _ms(row["median_s"]["custom"]), _ms(row["median_s"]["local"]),
+                     fmt_estimate(ratio, digits=2), f"<= {target}", verdict(ratio, target)])
+    return ["## The kernel on one rank: custom vs torch's BatchNorm", "",
+            "One process in a 1-rank gloo group (the layer runs no collective), same shapes, threads and "
+            "interleaved rounds as above; `native` is torch's `BatchNorm1d`/`BatchNorm2d`.", "",
+            *table(["shape", "custom ms", "native ms", "custom / native", "target", "verdict"], body), ""]
+
+
 def _errorbar(ax: Any, x: list[float], estimates: list[dict], scale: float = 1.0, **kwargs: Any) -> None:
     ax.errorbar(x, [scale * e["value"] for e in estimates], capsize=3, marker="o", linestyle="none", **kwargs,
                 yerr=[[scale * (e["value"] - e["low"]) for e in estimates],
@@ -97,6 +113,7 @@ def write(record: dict[str, Any], out: Path) -> None:
         f"timed as one call. Wall time {record['wall_s']:.0f} s.", "",
         *_summary(record), "",
         *_table(record), "",
+        *_one_rank(record),
         "Times: median ms [95 % CI]. Ratios: ratio of medians [95 % CI]. Peak memory: extra memory of one "
         "forward+backward (CPU: peak RSS, page granularity, glibc mmap threshold fixed at 128 KiB for that "
         "measurement only; CUDA: max_memory_allocated), max over ranks.", "",

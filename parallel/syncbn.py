@@ -99,27 +99,23 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
+        # Parameters and buffers are read once: each nn.Module attribute lookup costs ~0.5 us,
+        # a sizeable share of a small layer's call.
+        running_mean, running_var = self.running_mean, self.running_var
+        if not self.training and running_mean is not None and running_var is not None:
+            return self._normalize_with_running_stats(input)
         momentum = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
-            assert self.num_batches_tracked is not None
-            self.num_batches_tracked.add_(1)
+            num_batches_tracked = self.num_batches_tracked
+            assert num_batches_tracked is not None
+            num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as in torch
-                momentum = 1.0 / float(self.num_batches_tracked)
-        if not self.training and self.running_mean is not None and self.running_var is not None:
-            return self._normalize_with_running_stats(input)
+                momentum = 1.0 / float(num_batches_tracked)
+        else:  # running stats are updated only in training (eval without them uses batch stats)
+            running_mean = running_var = None
         group, world_size = self._sync_group()
-        # Running stats are updated only in training (eval without them uses batch stats).
-        update_running = self.training and self.track_running_stats
         return sync_batch_norm(
-            input,
-            self.weight,
-            self.bias,
-            self.running_mean if update_running else None,
-            self.running_var if update_running else None,
-            momentum,
-            self.eps,
-            group,
-            world_size,
+            input, self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size
         )
 
     def _sync_group(self) -> tuple[dist.ProcessGroup | None, int]:

@@ -33,13 +33,21 @@ parameter gradient; summing them over ranks here as well would scale them by the
 The collective runs even on a rank whose local batch is empty (it sends zeros) and on
 accumulation micro-batches: the input gradient needs the global sums either way.
 
+Cost. Large inputs are memory-bound: the forward makes 6 passes over x-sized memory (mean of x;
+``buf = x - m0``; sum and sum of squares of ``buf``; scale and shift in place), the backward 6
+(``x - mu``; sum of g; sum of g (x - mu); the folded ``dL/dx = a * g + b * (x - mu) + c`` in three
+in-place passes), each direction allocating ONE x-sized buffer (the output, ``dL/dx``), as torch's
+kernel does: fresh large buffers cost page faults on CPU. Small inputs are dispatch-bound (~1 us
+per torch op called from Python, ~2 us when a Python number must become a tensor operand): 1/n
+factors ride in ``alpha=`` / ``value=`` arguments, and 2-D inputs broadcast (C,) vectors without
+views and scale-and-shift in one ``addcmul``.
+
 Pure torch; no Lightning import.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,13 +87,13 @@ def sync_batch_norm(
     Returns:
         The normalised tensor, in ``x``'s dtype and memory format.
     """
+    args = (x, weight, bias, running_mean, running_var, momentum, eps, group, world_size)
+    if not torch.is_autocast_enabled(x.device.type):
+        return _SyncBatchNormFunction.apply(*args)
     # Statistics and reductions run in (at least) fp32 whatever the autocast context says;
     # only the output goes back to the input dtype.
-    autocast = torch.is_autocast_enabled(x.device.type)
-    with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        return _SyncBatchNormFunction.apply(
-            x, weight, bias, running_mean, running_var, momentum, eps, group, world_size
-        )
+    with torch.autocast(x.device.type, enabled=False):
+        return _SyncBatchNormFunction.apply(*args)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -102,97 +110,155 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         world_size: int,
     ) -> Tensor:
-        num_channels = x.shape[1]
-        local_count = x.numel() // num_channels
-        channel_shape = (1, num_channels) + (1,) * (x.dim() - 2)
-        # `buf` (x minus an approximate mean) is the forward's only x-sized allocation: it
-        # feeds M2 and then becomes the output (fresh large buffers cost page faults on CPU).
-        stats, buf, approx_mean = _local_moments(x, local_count, channel_shape)
-        if group is not None:
-            # Flat output: gloo accepts only the concatenated form, not a (world_size, K) stack.
-            gathered = stats.new_empty(world_size * stats.numel())
-            _all_gather_single(gathered, stats, group=group)
-            count, mean, m2 = _merge_moments(gathered.view(world_size, -1))
-        else:
-            count, mean, m2 = stats[:1], stats[1 : num_channels + 1], stats[num_channels + 1 :]
-        has_values = _check_global_count(count, local_count, x.shape)
-        inv_count = count.clamp(min=1).reciprocal_()
-        invstd = (m2 * inv_count).add_(eps).rsqrt_()
+        local_count = x.numel() // x.shape[1]
+        channel_shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+        buf, moments = _batch_moments(x, local_count, channel_shape, group, world_size)
+        has_values = _check_global_count(moments.count, local_count, x.shape)
         if running_mean is not None and running_var is not None and has_values:
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-            unbiased_var = m2 / (count - 1).clamp_(min=1)
-            running_var.lerp_(unbiased_var.to(running_var.dtype), momentum)
-
-        # Save the input itself (alive anyway for the caller) and C-sized vectors, never x_hat.
-        ctx.save_for_backward(x, weight, mean, invstd, inv_count)
-        ctx.group, ctx.channel_shape = group, channel_shape
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        # y = (x - mu) * scale + beta = buf * scale + (beta - (mu - approx_mean) * scale):
-        # buf is already centred, so |mu| >> sigma costs no precision.
+            _update_running_stats(running_mean, running_var, moments, momentum)
+        invstd = moments.var.add_(eps).rsqrt_()
         scale = invstd if weight is None else invstd * weight
-        shift = (approx_mean - mean).mul_(scale)
-        if bias is not None:
-            shift.add_(bias)
-        # In-place mul_ + add_ measure ~2x faster on CPU than one out= addcmul here.
-        return buf.mul_(scale.view(channel_shape)).add_(shift.view(channel_shape)).to(x.dtype)
+        # Save the input itself (alive anyway for the caller) and C-sized vectors, never x_hat.
+        ctx.save_for_backward(x, moments.mean, invstd, scale)
+        ctx.group, ctx.channel_shape, ctx.inv_count = group, channel_shape, moments.inv_count
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        # y = (x - mu) * scale + beta = buf * scale + (beta - (mu - m0) * scale): buf is already
+        # centred, so |mu| >> sigma costs no precision (torch's x * scale + (beta - mu * scale)
+        # rounds |mu| * scale).
+        if bias is None:
+            shift = torch.mul(moments.offset, scale).mul_(-moments.offset_scale)
+        else:
+            shift = torch.addcmul(bias, moments.offset, scale, value=-moments.offset_scale)
+        out = _scale_shift_(buf, scale, shift, channel_shape)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, mean, invstd, inv_count = ctx.saved_tensors
-        channel_shape, num_channels = ctx.channel_shape, mean.numel()
-        dims = _reduce_dims(x)
-        # One x-sized (fp32) buffer: x - mu, then dL/dx in place.
-        buf = x - mean.view(channel_shape)
-        sums = torch.cat([grad_out.sum(dims, dtype=mean.dtype), _sum_of_products(buf, grad_out)])
-        sum_dy, sum_dy_xmu = sums[:num_channels], sums[num_channels:]
-        # Parameter gradients are the LOCAL sums: taken before the all-reduce overwrites them.
-        grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(ctx.bias_dtype, copy=True) if ctx.needs_input_grad[2] else None
+        x, mean, invstd, scale = ctx.saved_tensors
+        channel_shape = ctx.channel_shape
+        # The one x-sized buffer (fp32 at least, by type promotion): x - mu, then dL/dx in place.
+        buf = x - _per_channel(mean, channel_shape)
+        sum_dy = grad_out.sum(_reduce_dims(x), dtype=mean.dtype)
+        sum_dy_xmu = _sum_of_products(buf, grad_out)
+        # Parameter gradients are the LOCAL sums, as in torch.nn.SyncBatchNorm.
+        grad_weight = sum_dy_xmu * invstd if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy if ctx.needs_input_grad[2] else None
         if ctx.group is not None:
+            sums = torch.cat([sum_dy, sum_dy_xmu])
             dist.all_reduce(sums, group=ctx.group)
-        if not ctx.needs_input_grad[0]:
-            return None, grad_weight, grad_bias, None, None, None, None, None, None
-
-        # dL/dx = scale * g + coef_xmu * (x - mu) + coef_const, with scale = gamma * r and
-        # coef_const = -scale * sum(g) / n, coef_xmu = -scale * r^2 * sum(g * (x - mu)) / n.
-        scale = invstd if weight is None else invstd * weight
-        minus_scale_over_n = scale * inv_count.neg()
-        coef_const = minus_scale_over_n * sum_dy
-        coef_xmu = minus_scale_over_n.mul_(invstd).mul_(invstd).mul_(sum_dy_xmu)
-        buf.mul_(coef_xmu.view(channel_shape)).add_(coef_const.view(channel_shape))
-        grad_input = buf.addcmul_(grad_out, scale.view(channel_shape)).to(x.dtype)
+            sum_dy, sum_dy_xmu = sums.view(2, -1).unbind()
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            # dL/dx = scale * g + coef_xmu * (x - mu) + coef_const, with scale = gamma * r and
+            # coef_const = -scale * sum(g) / n, coef_xmu = -scale * r^2 * sum(g * (x - mu)) / n.
+            minus_scale_over_n = scale * -ctx.inv_count
+            coef_const = minus_scale_over_n * sum_dy
+            coef_xmu = minus_scale_over_n.mul_(invstd).mul_(invstd).mul_(sum_dy_xmu)
+            grad_input = _scale_shift_(buf, coef_xmu, coef_const, channel_shape)
+            grad_input.addcmul_(grad_out, _per_channel(scale, channel_shape))
+            grad_input = grad_input if grad_input.dtype == x.dtype else grad_input.to(x.dtype)
+        if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        if grad_bias is not None and grad_bias.dtype != ctx.bias_dtype:
+            grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _reduce_dims(x: Tensor) -> list[int]:
-    """Every dimension but the channel dimension 1."""
-    return [0, *range(2, x.dim())]
+def _reduce_dims(x: Tensor) -> int | list[int]:
+    """Every dimension but the channel dimension 1 (a plain int for 2-D input: a cheaper call)."""
+    return 0 if x.dim() == 2 else [0, *range(2, x.dim())]
 
 
-def _local_moments(
-    x: Tensor, local_count: int, channel_shape: tuple[int, ...]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's ``[count, mean (C), M2 (C)]``, ``buf = x - approx_mean`` and ``approx_mean``.
+def _per_channel(vector: Tensor, channel_shape: tuple[int, ...]) -> Tensor:
+    """A (C,) vector shaped to broadcast over (N, C, *); a 2-D input needs no view."""
+    return vector if len(channel_shape) == 2 else vector.view(channel_shape)
 
-    All in fp32 (fp64 for fp64 input). Corrected two-pass algorithm (Chan, Golub & LeVeque):
-    the deviations from a first, roughly rounded mean give both the correction of that mean
-    and M2 = sum(d^2) - n * correction^2, where the correction is tiny, so nothing cancels
-    even for 1e4 + N(0, 1) (E[x^2] - E[x]^2 would lose every digit there).
+
+def _as(value: Tensor, like: Tensor) -> Tensor:
+    return value if value.dtype == like.dtype else value.to(like.dtype)
+
+
+def _scale_shift_(buf: Tensor, scale: Tensor, shift: Tensor, channel_shape: tuple[int, ...]) -> Tensor:
+    """``buf * scale + shift`` per channel, in place."""
+    if len(channel_shape) == 2:
+        # The vectors run along the contiguous dim: one vectorised pass.
+        return torch.addcmul(shift, buf, scale, out=buf)
+    # Two in-place passes: an addcmul with two per-channel (stride-0) operands runs
+    # unvectorised on CPU, ~5x slower than both of these together.
+    return buf.mul_(scale.view(channel_shape)).add_(shift.view(channel_shape))
+
+
+class _Moments(NamedTuple):
+    """The batch's statistics per channel (over every rank of the group, if any)."""
+
+    count: int | Tensor  # an int without a group, the gathered 1-element total with one
+    inv_count: float | Tensor
+    mean: Tensor
+    var: Tensor  # biased
+    offset: Tensor  # mean - m0 == offset * offset_scale (offset_scale folds a 1/n into a later op)
+    offset_scale: float
+
+
+def _batch_moments(
+    x: Tensor, local_count: int, channel_shape: tuple[int, ...], group: dist.ProcessGroup | None, world_size: int,
+) -> tuple[Tensor, _Moments]:
+    """``buf = x - m0`` (fp32 at least; the forward's only x-sized allocation, which becomes its output)
+    and the batch's moments.
+
+    Corrected two-pass algorithm (Chan, Golub & LeVeque): ``m0`` is a first, rounded mean; the
+    deviations ``buf`` give both its correction, ``mean(buf)``, and ``M2 = sum(buf^2) -
+    sum(buf)^2 / n``, where nothing cancels even for 1e4 + N(0, 1) (``E[x^2] - E[x]^2`` would
+    lose every digit there).
     """
+    dims = _reduce_dims(x)
+    inv_local = 1.0 / max(local_count, 1)
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    num_channels = x.shape[1]
-    stats = torch.full((2 * num_channels + 1,), float(local_count), dtype=acc_dtype, device=x.device)
-    mean, m2 = stats[1 : num_channels + 1], stats[num_channels + 1 :]
-    approx_mean = x.sum(_reduce_dims(x), dtype=acc_dtype).div_(max(local_count, 1))
-    buf = torch.sub(x, approx_mean.view(channel_shape), out=torch.empty_like(x, dtype=acc_dtype))
-    if local_count == 0:
-        stats[1:] = 0.0
-        return stats, buf, approx_mean
-    correction = buf.sum(_reduce_dims(x)).div_(local_count)
-    torch.add(approx_mean, correction, out=mean)
-    torch.sub(_sum_of_products(buf, buf), correction.square_().mul_(local_count), out=m2).clamp_(min=0)
-    return stats, buf, approx_mean
+    if local_count:
+        approx_mean = x.mean(dims, dtype=acc_dtype)
+    else:  # an empty shard: mean() would be NaN, and the gather would spread it
+        approx_mean = x.new_zeros(x.shape[1], dtype=acc_dtype)
+    buf = x - _per_channel(approx_mean, channel_shape)  # type promotion: fp32 at least
+    sum_buf = buf.sum(dims)
+    m2 = torch.addcmul(_sum_of_products(buf, buf), sum_buf, sum_buf, value=-inv_local).clamp_min_(0)
+    if group is None:
+        mean = torch.add(approx_mean, sum_buf, alpha=inv_local)
+        return buf, _Moments(local_count, inv_local, mean, m2.mul_(inv_local), sum_buf, inv_local)
+    count, mean, offset, m2 = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size)
+    inv_count = count.clamp(min=1).reciprocal_()
+    return buf, _Moments(count, inv_count, mean, m2.mul_(inv_count), offset, 1.0)
+
+
+def _update_running_stats(running_mean: Tensor, running_var: Tensor, moments: _Moments, momentum: float) -> None:
+    """Move the running mean and unbiased variance towards the batch's (count >= 2 here)."""
+    running_mean.lerp_(_as(moments.mean, running_mean), momentum)
+    var, count = _as(moments.var, running_var), moments.count
+    if isinstance(count, int):
+        # unbiased = var * n / (n - 1) = var + var / (n - 1): a lerp and a scaled add, no temporary.
+        running_var.lerp_(var, momentum).add_(var, alpha=momentum / (count - 1))
+    else:
+        running_var.lerp_(var * count / (count - 1), momentum)
+
+
+def _gather_moments(
+    approx_mean: Tensor, sum_buf: Tensor, m2: Tensor, local_count: int,
+    group: dist.ProcessGroup, world_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(count, mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather."""
+    num_channels = approx_mean.numel()
+    stats = torch.empty(2 * num_channels + 1, dtype=approx_mean.dtype, device=approx_mean.device)
+    stats[0] = local_count
+    torch.add(approx_mean, sum_buf, alpha=1.0 / max(local_count, 1), out=stats[1 : num_channels + 1])
+    stats[num_channels + 1 :] = m2
+    # Flat output: gloo accepts only the concatenated form, not a (world_size, K) stack.
+    gathered = stats.new_empty(world_size * stats.numel())
+    _all_gather_single(gathered, stats, group=group)
+    count, reference, mean_shift, m2 = _merge_moments(gathered.view(world_size, -1))
+    # The offset from this rank's m0 as (reference - m0) + shift: the first difference is exact
+    # when both are close, so the output does not round the global mean (~|mu| ulp) twice.
+    offset = (reference - approx_mean).add_(mean_shift)
+    return count, reference + mean_shift, offset, m2
 
 
 def _sum_of_products(a: Tensor, b: Tensor) -> Tensor:
@@ -204,25 +270,26 @@ def _sum_of_products(a: Tensor, b: Tensor) -> Tensor:
     """
     dims = _reduce_dims(a)
     block_bytes = (1 << 20) if a.device.type == "cpu" else (16 << 20)
-    rows = max(block_bytes * a.shape[0] // max(a.numel() * a.element_size(), 1), 1)
-    if rows >= a.shape[0]:
+    total_bytes = a.numel() * a.element_size()
+    if total_bytes <= block_bytes:  # the common small case first: two ops, nothing else
         return torch.sum(a * b, dims)
+    rows = max(block_bytes * a.shape[0] // total_bytes, 1)
     total = torch.sum(a[:rows] * b[:rows], dims)
     for start in range(rows, a.shape[0], rows):
         total.add_(torch.sum(a[start : start + rows] * b[start : start + rows], dims))
     return total
 
 
-def _check_global_count(count: Tensor, local_count: int, shape: torch.Size) -> bool:
+def _check_global_count(count: int | Tensor, local_count: int, shape: torch.Size) -> bool:
     """Raise if the global batch has 1 value per channel; return whether it has any.
 
     Only a rank that holds fewer than 2 values can see a global count below 2, so only such a
-    rank pays for the device-to-host copy. Every rank of a 1-value batch raises, so no peer is
-    left waiting in the backward collective.
+    rank pays for the device-to-host copy of a gathered count. Every rank of a 1-value batch
+    raises, so no peer is left waiting in the backward collective.
     """
     if local_count >= 2:
         return True
-    global_count = int(count.item())
+    global_count = count if isinstance(count, int) else int(count.item())
     if global_count == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input of shape "
@@ -231,8 +298,9 @@ def _check_global_count(count: Tensor, local_count: int, shape: torch.Size) -> b
     return global_count > 0
 
 
-def _merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Merge per-rank rows ``[count, mean, M2]`` into the global (count, mean, M2) (Chan et al.)."""
+def _merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Merge per-rank rows ``[count, mean, M2]`` (Chan et al.) into the global count, a reference
+    mean (one rank's), the global mean's shift from it, and the global M2."""
     num_channels = (gathered.shape[1] - 1) // 2
     counts = gathered[:, :1]
     means = gathered[:, 1 : num_channels + 1]
@@ -244,4 +312,4 @@ def _merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     deviations = means - reference
     mean_shift = (counts * deviations).sum(0) / count.clamp(min=1)
     m2 = m2s.sum(0) + (counts * (deviations - mean_shift).square()).sum(0)
-    return count, reference + mean_shift, m2
+    return count, reference, mean_shift, m2

@@ -39,6 +39,11 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
         saved["headline"])
     assert saved["command"].startswith("python -m benchmarks.syncbn --quick")
     assert (tmp_path / "syncbn.png").exists()
+    # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
+    (one_rank,) = saved["one_rank_rows"]
+    assert set(one_rank["ratios"]) == {"custom/local"} and len(one_rank["samples_s"]["custom"]) == 4
+    assert {"custom_vs_native_1rank_8x16", "custom_vs_native_1rank_worst_nc"} <= set(saved["headline"])
+    assert "custom vs torch's BatchNorm" in (tmp_path / "results.md").read_text()
 
 
 def test_syncbn_takes_the_slowest_rank_per_iteration() -> None:
