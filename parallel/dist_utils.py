@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_module_state", "group_world_size"]
+__all__ = ["broadcast_module_state", "consecutive_rank_group", "group_world_size"]
 
 
 def group_world_size(process_group: dist.ProcessGroup | None = None) -> int:
@@ -30,3 +31,26 @@ def broadcast_module_state(module: nn.Module, process_group: dist.ProcessGroup |
         dist.broadcast(flat, src=src, group=process_group)
         for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
             tensor.copy_(chunk.view_as(tensor))
+
+
+def consecutive_rank_group(group_size: int, timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """This rank's group among the world's blocks of ``group_size`` consecutive ranks.
+
+    Ranks ``[0, k)``, ``[k, 2k)``, ... form one group each (apex's ``create_syncbn_process_group``
+    layout: on a multi-GPU node, neighbours share a machine). Every rank must call this, with the
+    same ``group_size``: ``dist.new_group`` is itself collective and creates every block's group on
+    every rank, in the same order. ``timeout`` bounds the new groups' collectives (default: the
+    process group default). Raises ``ValueError`` on every rank, before any group exists, when
+    ``group_size`` does not divide the world size.
+    """
+    world_size = dist.get_world_size()
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or world_size % group_size:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1 that divides the world size {world_size}")
+    rank = dist.get_rank()
+    own = None
+    for first in range(0, world_size, group_size):
+        group = dist.new_group(list(range(first, first + group_size)), timeout=timeout)
+        if first <= rank < first + group_size:
+            own = group
+    assert own is not None
+    return own

@@ -43,8 +43,10 @@ from parallel.dist_utils import broadcast_module_state, group_world_size
 from parallel.sync_config import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
+    GRAD_COMPRESSIONS,
     MODES_LAUNCHED_FROM_HOOKS,
     SYNC_MODES,
+    WIRE_DTYPES,
     caps_for_mode,
 )
 
@@ -52,7 +54,7 @@ __all__ = ["SyncedDataParallel"]
 
 log = logging.getLogger(__name__)
 
-_COMPRESSIONS = (None, "bf16")
+_COMPRESSIONS = (None, *GRAD_COMPRESSIONS)
 
 
 def _check_options(
@@ -85,8 +87,9 @@ class SyncedDataParallel(nn.Module):
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
         first_bucket_cap_mb: Cap of the first (last-layer) bucket in ``"bucketed"``, small so
             the first all-reduce starts early in backward.
-        grad_compression: ``None`` or ``"bf16"``: reduce fp32/fp64 buckets as bfloat16
-            (half the bytes on the wire, ~3 significant digits).
+        grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: reduce fp32/fp64 buckets in that
+            dtype (half the bytes on the wire; precision and range in
+            :data:`parallel.sync_config.GradCompression`).
         broadcast_init: Broadcast rank 0's parameters and buffers at construction.
     """
 
@@ -134,6 +137,10 @@ class SyncedDataParallel(nn.Module):
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def grad_compression(self) -> str | None:
+        return self._compression
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -227,8 +234,8 @@ class SyncedDataParallel(nn.Module):
         # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
         bucket.buffer.div_(self._world_size)
         wire = bucket.buffer
-        if self._compression == "bf16" and wire.dtype in (torch.float32, torch.float64):
-            wire = wire.to(torch.bfloat16)
+        if self._compression is not None and wire.dtype in (torch.float32, torch.float64):
+            wire = wire.to(WIRE_DTYPES[self._compression])
         bucket.wire = wire
         bucket.work = dist.all_reduce(wire, group=self._process_group, async_op=True)
 

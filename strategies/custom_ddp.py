@@ -65,12 +65,12 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SyncMode
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
 from parallel.uneven_gather import all_gather_padded, all_gather_rows
 from parallel.zero import ShardedOptimizer
 from strategies.evaluation import ScatteredEvaluation
 from strategies.layer_sync import CustomSyncBatchNorm
-from strategies.options import as_timedelta, check_options, is_mean_op
+from strategies.options import as_timedelta, check_options, check_syncbn_group_size, is_mean_op
 
 __all__ = ["CustomDDPStrategy"]
 
@@ -86,9 +86,17 @@ class CustomDDPStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             As in ``DDPStrategy`` (normally filled in by the Trainer).
         sync_batchnorm: Convert BatchNorm layers to the hand-written SyncBatchNorm while fitting.
+        syncbn_group_size: Synchronise BatchNorm statistics within groups of this many
+            consecutive ranks (ranks 0..k-1, k..2k-1, ...; apex's ``create_syncbn_process_group``)
+            instead of over all ranks; must divide the world size (checked at setup).
         sync_mode: Gradient all-reduce schedule: ``"bucketed"`` (overlapped with backward),
             ``"flat"``, ``"per_param"`` or ``"per_param_overlap"``.
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
+        first_bucket_cap_mb: Cap in MiB of the first bucket (the last layers' gradients, ready
+            first) for ``"bucketed"``: small, so the first all-reduce starts early in backward.
+        grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce fp32 gradients in that
+            dtype, half the bytes on the wire (torch DDP's ``bf16_compress_hook`` /
+            ``fp16_compress_hook``; precision in :data:`parallel.sync_config.GradCompression`).
         zero1: Shard optimizer state over ranks (ZeRO stage 1).
         scatter_eval: Scatter evaluation datasets (each sample once) and reduce metric sums once
             per epoch; ``False`` falls back to Lightning's ``DistributedSampler`` behaviour.
@@ -108,15 +116,19 @@ class CustomDDPStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         sync_batchnorm: bool = True,
+        syncbn_group_size: Optional[int] = None,
         sync_mode: SyncMode = "bucketed",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
+        grad_compression: Optional[GradCompression] = None,
         zero1: bool = False,
         scatter_eval: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval)
+        check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
+                      grad_compression=grad_compression, syncbn_group_size=syncbn_group_size)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -130,6 +142,10 @@ class CustomDDPStrategy(DDPStrategy):
         self._sync_batchnorm = sync_batchnorm
         self._sync_mode = sync_mode
         self._bucket_cap_mb = float(bucket_cap_mb)
+        self._first_bucket_cap_mb = float(first_bucket_cap_mb)
+        self._grad_compression = grad_compression
+        self._syncbn_group_size = syncbn_group_size
+        self._syncbn_group: Optional[tuple[Any, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
         self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
@@ -148,6 +164,18 @@ class CustomDDPStrategy(DDPStrategy):
         return self._bucket_cap_mb
 
     @property
+    def first_bucket_cap_mb(self) -> float:
+        return self._first_bucket_cap_mb
+
+    @property
+    def grad_compression(self) -> Optional[str]:
+        return self._grad_compression
+
+    @property
+    def syncbn_group_size(self) -> Optional[int]:
+        return self._syncbn_group_size
+
+    @property
     def zero1(self) -> bool:
         return self._zero1
 
@@ -160,8 +188,11 @@ class CustomDDPStrategy(DDPStrategy):
         """This strategy's own settings, for logs, hyperparameters and benchmark records."""
         return {
             "sync_batchnorm": self._sync_batchnorm,
+            "syncbn_group_size": self._syncbn_group_size,
             "sync_mode": self._sync_mode,
             "bucket_cap_mb": self._bucket_cap_mb,
+            "first_bucket_cap_mb": self._first_bucket_cap_mb,
+            "grad_compression": self._grad_compression,
             "zero1": self._zero1,
             "scatter_eval": self._scatter_eval,
         }
@@ -177,12 +208,22 @@ class CustomDDPStrategy(DDPStrategy):
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
-        if self._layer_sync is None:
-            return CustomSyncBatchNorm()
+        if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
+            if self._syncbn_group_size is not None:
+                raise ValueError(f"CustomDDPStrategy: syncbn_group_size={self._syncbn_group_size} and the plugin "
+                                 f"{type(self._layer_sync).__name__} both choose the BatchNorm sync; pass only one")
+            return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
         if isinstance(self._layer_sync, TorchSyncBatchNorm):
             rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
+        if self._syncbn_group_size is None:
             return CustomSyncBatchNorm()
-        return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
+        # dist.new_group is collective and its groups live as long as the world group: made once per
+        # world, on every rank (a second fit in the same processes reuses them).
+        if self._syncbn_group is None or self._syncbn_group[0] is not dist.group.WORLD:
+            check_syncbn_group_size(self._syncbn_group_size, dist.get_world_size())
+            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._syncbn_group_size, self._timeout)
+            self._syncbn_group = (dist.group.WORLD, plugin)
+        return self._syncbn_group[1]
 
     @override
     def _configure_launcher(self) -> None:
@@ -206,7 +247,8 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
-        return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb)
+        return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb,
+                                  first_bucket_cap_mb=self._first_bucket_cap_mb, grad_compression=self._grad_compression)
 
     @override
     def configure_ddp(self) -> None:

@@ -6,15 +6,19 @@ own ``TorchSyncBatchNorm`` (``torch.nn.SyncBatchNorm``) cannot run.
 
 Example:
     >>> trainer = Trainer(strategy="custom_ddp", plugins=[CustomSyncBatchNorm()])  # doctest: +SKIP
+    >>> plugin = CustomSyncBatchNorm.in_consecutive_groups(2)  # on every rank, dist initialised  # doctest: +SKIP
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch.distributed as dist
 from lightning.pytorch.plugins import LayerSync
 from torch.nn import Module
 from typing_extensions import override
 
+from parallel.dist_utils import consecutive_rank_group
 from parallel.syncbn import SyncBatchNorm
 
 __all__ = ["CustomSyncBatchNorm"]
@@ -29,6 +33,15 @@ class CustomSyncBatchNorm(LayerSync):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self._process_group = process_group
+
+    @classmethod
+    def in_consecutive_groups(cls, group_size: int, timeout: timedelta | None = None) -> CustomSyncBatchNorm:
+        """Synchronise within blocks of ``group_size`` consecutive ranks (0..k-1, k..2k-1, ...).
+
+        Every rank must call this at the same point: it creates every block's process group
+        (:func:`parallel.dist_utils.consecutive_rank_group`); ``timeout`` bounds their collectives.
+        """
+        return cls(consecutive_rank_group(group_size, timeout))
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:

@@ -7,12 +7,15 @@ from typing import Any
 
 import torch
 
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, SYNC_MODES
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GRAD_COMPRESSIONS, SYNC_MODES
 
-__all__ = ["as_timedelta", "check_options", "is_mean_op"]
+__all__ = ["as_timedelta", "check_options", "check_syncbn_group_size", "is_mean_op"]
 
 
-def check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any) -> None:
+def check_options(
+    sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any, *,
+    first_bucket_cap_mb: Any = DEFAULT_FIRST_BUCKET_CAP_MB, grad_compression: Any = None, syncbn_group_size: Any = None,
+) -> None:
     """Raise one error that lists every bad option with its fix."""
     problems = [
         f"{name}={value!r} must be a bool"
@@ -21,10 +24,36 @@ def check_options(sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1
     ]
     if sync_mode not in SYNC_MODES:
         problems.append(f"sync_mode={sync_mode!r} must be one of {SYNC_MODES}")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        problems.append(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB; default {DEFAULT_BUCKET_CAP_MB})")
+    for name, cap, default in (("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),
+                               ("first_bucket_cap_mb", first_bucket_cap_mb, DEFAULT_FIRST_BUCKET_CAP_MB)):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            problems.append(f"{name}={cap!r} must be a number > 0 (MiB; default {default})")
+    if grad_compression is not None and grad_compression not in GRAD_COMPRESSIONS:
+        problems.append(f"grad_compression={grad_compression!r} must be None or one of {GRAD_COMPRESSIONS}")
+    problems += _syncbn_group_problems(syncbn_group_size, sync_batchnorm)
     if problems:
         raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
+
+
+def _syncbn_group_problems(syncbn_group_size: Any, sync_batchnorm: Any) -> list[str]:
+    """What is wrong with ``syncbn_group_size`` before the world size is known (see :func:`check_syncbn_group_size`)."""
+    if syncbn_group_size is None:
+        return []
+    if isinstance(syncbn_group_size, bool) or not isinstance(syncbn_group_size, int) or syncbn_group_size < 1:
+        return [f"syncbn_group_size={syncbn_group_size!r} must be None (all ranks) or an int >= 1 that divides the "
+                "world size, e.g. 2"]
+    if sync_batchnorm is False:
+        return [f"syncbn_group_size={syncbn_group_size} needs sync_batchnorm=True (it groups the SyncBatchNorm "
+                "statistics); drop it or set sync_batchnorm=True"]
+    return []
+
+
+def check_syncbn_group_size(syncbn_group_size: int, world_size: int) -> None:
+    """At setup, once the world size is known: ``syncbn_group_size`` must divide it (same error on every rank)."""
+    if world_size % syncbn_group_size:
+        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        raise ValueError(f"CustomDDPStrategy: syncbn_group_size={syncbn_group_size} must divide the world size "
+                         f"{world_size} (SyncBatchNorm groups of consecutive ranks); use one of {divisors}")
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
