@@ -4,7 +4,11 @@ Every option of the Trainer, the model (``lit_cifar.module.LitClassifier``) and 
 (``lit_cifar.data.CIFAR100DataModule``) is a command-line flag or a YAML key; configs compose left
 to right and flags override them. Runs log to TensorBoard under ``lightning_logs/version_N/``
 (metrics, learning rate, hyperparameters including ``dataset_used``, the strategy and its options,
-and the full ``config.yaml``).
+and the full ``config.yaml``), next to their checkpoints, ``benchmark.json`` and ``predictions.pt``.
+As in plain Lightning, ``--trainer.default_root_dir=DIR`` puts all of it under ``DIR/lightning_logs/``
+(one folder per job); ``--trainer.logger.init_args.save_dir`` still chooses the logger's folder itself.
+A bad option ends the command with one line saying why (``error: ...``, exit code 2);
+``JSONARGPARSE_DEBUG=true`` shows jsonargparse's full report and the traceback instead.
 The optimizer and LR schedule are the model's own options (``--model.optimizer``, ``--model.lr``,
 ``--model.schedule``, ...); LightningCLI's generic ``--optimizer``/``--lr_scheduler`` are refused
 because they would silently replace its schedule and its no-weight-decay groups.
@@ -75,18 +79,22 @@ import callbacks  # noqa: F401  (project callbacks, importable by short name in 
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
 from callbacks import PredictionWriter, RunHparams
 from callbacks.run_hparams import strategy_name
-from lit_cifar.console import quiet_lightning_tips
+from lit_cifar.cli_errors import check_strategy_config, short_option_errors
+from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
+from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir
 from strategies import CustomDDPStrategy
 
 quiet_lightning_tips()  # Lightning's "💡 Tip" adverts for litlogger / litmodels, on every run
+quiet_leafspec_deprecation()  # Lightning 2.6's use of torch 2.14's deprecated LeafSpec, once per process
 
 TRAINER_DEFAULTS = {
     "logger": {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
         # hp_metric=False: no placeholder "-1" metric next to the real hparams in TensorBoard.
-        "init_args": {"save_dir": ".", "name": "lightning_logs", "default_hp_metric": False},
+        # save_dir: the working directory, or --trainer.default_root_dir (lit_cifar.run_dir).
+        "init_args": {"save_dir": DEFAULT_SAVE_DIR, "name": "lightning_logs", "default_hp_metric": False},
     },
 }
 _STRATEGY = "--trainer.strategy"
@@ -180,8 +188,8 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
 
 
 class LitCifarCLI(LightningCLI):
-    """LightningCLI with strategy options by registered name, no optimizer flags, run hyperparameters in
-    TensorBoard, a summary after fit, and a predictions file."""
+    """LightningCLI with strategy options by registered name, no optimizer flags, its logger under
+    default_root_dir, run hyperparameters in TensorBoard, a summary after fit, and a predictions file."""
 
     def __init__(self, *args: Any, started: float | None = None, **kwargs: Any) -> None:
         self.started = time.perf_counter() if started is None else started
@@ -204,8 +212,17 @@ class LitCifarCLI(LightningCLI):
         else:
             super().parse_arguments(parser, None if args is None else expanded)
 
+    def before_instantiate_classes(self) -> None:
+        """The logger follows ``default_root_dir``; ``CustomDDPStrategy``'s options are checked."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        follow_default_root_dir(config.trainer)
+        # Before jsonargparse builds the strategy: it would bury this error in a report of its Union type.
+        check_strategy_config(config.trainer.strategy)
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand in ("validate", "test", "predict"):
+            quiet_checkpoint_dirpath_warning()  # a ModelCheckpoint saves nothing here (lit_cifar.console)
         # `predict` always leaves a file (and says where), unless the config chose its own writer.
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())
@@ -221,25 +238,36 @@ class LitCifarCLI(LightningCLI):
             print(fit_summary(self.trainer, self.datamodule, time.perf_counter() - self.started), flush=True)
 
 
+def _help_command(args: ArgsType) -> str:
+    """``python train.py [SUBCOMMAND] --help`` for the subcommand in ``args`` (default: ``sys.argv``)."""
+    argv = sys.argv[1:] if args is None else args
+    subcommand = argv[0] if isinstance(argv, list) and argv and argv[0] in LightningCLI.subcommands() else None
+    return " ".join(word for word in ("python train.py", subcommand, "--help") if word)
+
+
 def main(args: ArgsType = None, run: bool = True, started: float | None = None) -> LightningCLI:
     """Parse ``args`` (default: ``sys.argv``), build model, data and Trainer, and run the subcommand.
 
     ``run=False`` only builds them (``args`` then has no subcommand). ``started``: the
     ``time.perf_counter()`` the fit summary's wall time counts from (default: now).
     """
-    return LitCifarCLI(
-        LitClassifier,
-        CIFAR100DataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        # The module's configure_optimizers is the only optimizer setup: LightningCLI's automatic
-        # --optimizer/--lr_scheduler would silently replace its schedule and no-decay groups.
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
-        started=started,
-    )
+    # A bad option ends in one line saying why (lit_cifar.cli_errors), not in jsonargparse's usage dump.
+    with short_option_errors(help_command=_help_command(args)):
+        return LitCifarCLI(
+            LitClassifier,
+            CIFAR100DataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            # The module's configure_optimizers is the only optimizer setup: LightningCLI's automatic
+            # --optimizer/--lr_scheduler would silently replace its schedule and no-decay groups.
+            auto_configure_optimizers=False,
+            # Parse errors are raised (ArgumentError) for short_option_errors instead of printed with the usage.
+            parser_kwargs={"exit_on_error": False},
+            args=args,
+            run=run,
+            started=started,
+        )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity
 
+from lit_cifar.errors import OptionError
 from lit_cifar.synthetic import SyntheticCIFAR100, is_synthetic, write_synthetic_cifar100
 from lit_cifar.transforms import augment, normalize
 
@@ -141,9 +142,9 @@ def _num_val(val_size: int | float, total: int) -> int:
     elif isinstance(val_size, int) and not isinstance(val_size, bool):
         num_val = val_size
     else:
-        raise ValueError(f"val_size must be an int count or a float fraction in (0, 1), got {val_size!r}.")
+        raise OptionError(f"val_size must be an int count or a float fraction in (0, 1), got {val_size!r}.")
     if not 0 < num_val < total:
-        raise ValueError(
+        raise OptionError(
             f"val_size={val_size!r} gives {num_val} validation images out of {total} training images; "
             f"it must leave both splits non-empty (e.g. val_size=0.1)."
         )
@@ -190,11 +191,11 @@ class CIFAR100DataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if dataset not in ("cifar100", "synthetic", "auto"):
-            raise ValueError(f"dataset must be 'cifar100', 'synthetic' or 'auto', got {dataset!r}.")
+            raise OptionError(f"dataset must be 'cifar100', 'synthetic' or 'auto', got {dataset!r}.")
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
-            raise ValueError(f"batch_size ({batch_size}) and eval_batch_size ({eval_batch_size}) must be >= 1.")
+            raise OptionError(f"batch_size ({batch_size}) and eval_batch_size ({eval_batch_size}) must be >= 1.")
         if predict_split not in ("test", "val", "train"):
-            raise ValueError(f"predict_split must be 'test', 'val' or 'train', got {predict_split!r}.")
+            raise OptionError(f"predict_split must be 'test', 'val' or 'train', got {predict_split!r}.")
         self.save_hyperparameters()
         self._dataset_used: str | None = None
         self.train_set: TensorImageDataset | None = None

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from lit_cifar.errors import OptionError
 from lit_cifar.nets import NETS, build_net
 
 __all__ = ["LitClassifier"]
@@ -83,14 +84,14 @@ class LitClassifier(LightningModule):
     ) -> None:
         super().__init__()
         if net not in NETS:
-            raise ValueError(f"unknown net {net!r}; choose one of {sorted(NETS)}.")
+            raise OptionError(f"unknown net {net!r}; choose one of {sorted(NETS)}.")
         if optimizer not in _OPTIMIZERS or schedule not in _SCHEDULES:
-            raise ValueError(f"optimizer must be one of {_OPTIMIZERS} (got {optimizer!r}) and schedule one of "
+            raise OptionError(f"optimizer must be one of {_OPTIMIZERS} (got {optimizer!r}) and schedule one of "
                              f"{_SCHEDULES} (got {schedule!r}).")
         if optimizer == "sgd" and nesterov and momentum <= 0:
-            raise ValueError(f"nesterov=True needs momentum > 0, got momentum={momentum}; set nesterov=false.")
+            raise OptionError(f"nesterov=True needs momentum > 0, got momentum={momentum}; set nesterov=false.")
         if not 0.0 <= warmup_fraction < 1.0 or not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"warmup_fraction ({warmup_fraction}) and label_smoothing ({label_smoothing}) "
+            raise OptionError(f"warmup_fraction ({warmup_fraction}) and label_smoothing ({label_smoothing}) "
                              "must lie in [0, 1).")
         self.save_hyperparameters()
         self.net = build_net(net, num_classes, **(net_kwargs or {}))

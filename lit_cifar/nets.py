@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lit_cifar.errors import OptionError
+
 __all__ = ["TemplateNet", "BasicBlock", "CifarResNet18", "NETS", "build_net"]
 
 
@@ -82,7 +84,7 @@ class CifarResNet18(nn.Module):
         super().__init__()
         base = round(64 * width)
         if base < 1:
-            raise ValueError(f"width={width} leaves no channels; use width >= {1 / 64:.4f}.")
+            raise OptionError(f"width={width} leaves no channels; use width >= {1 / 64:.4f}.")
         self.stem = nn.Sequential(
             nn.Conv2d(3, base, 3, padding=1, bias=False), nn.BatchNorm2d(base), nn.ReLU(inplace=True)
         )
@@ -106,7 +108,7 @@ NETS: dict[str, Callable[..., nn.Module]] = {"template": TemplateNet, "resnet18"
 def build_net(name: str, num_classes: int = 100, **kwargs: Any) -> nn.Module:
     """Construct a net by its config name (``template`` or ``resnet18``) with its own keyword args."""
     if name not in NETS:
-        raise ValueError(f"unknown net {name!r}; choose one of {sorted(NETS)}.")
+        raise OptionError(f"unknown net {name!r}; choose one of {sorted(NETS)}.")
     try:
         return NETS[name](num_classes=num_classes, **kwargs)
     except TypeError as err:

@@ -1,11 +1,14 @@
-"""train.py: LightningCLI parsing of every shipped config, --print_config, fit and predict through the CLI,
-the quickstart command on 2 processes (its summary, its console), strategy options by registered name or
-short class name, and the refused --optimizer flags."""
+"""train.py: LightningCLI parsing of every shipped config, --print_config, fit and predict through the CLI
+(under --trainer.default_root_dir), the quickstart command on 2 processes (its summary, its console),
+fit/test/predict without a stray warning, strategy options by registered name or short class name, the
+refused --optimizer flags, and bad options reported in one line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from argparse import ArgumentError
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +26,14 @@ CONFIGS = REPO / "configs"
 
 
 import train  # noqa: E402  (train.py at the repository root, on pytest's pythonpath)
+
+# How Python (and Lightning) print a warning: "file.py:N: [Category: ]message".
+_WARNING_LINE = re.compile(r"\.py:\d+: ")
+
+
+def _stderr_lines(capsys: pytest.CaptureFixture) -> list[str]:
+    """What this process wrote to stderr, without warnings (LightningCLI's about args next to pytest's argv)."""
+    return [line for line in capsys.readouterr().err.splitlines() if not _WARNING_LINE.search(line)]
 
 
 def _print_config(capsys: pytest.CaptureFixture, *configs: str, extra: tuple[str, ...] = ()) -> dict:
@@ -84,21 +95,28 @@ TINY_ARGS = [
 
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
-    """One 2-step fit through the CLI on TINY data, one process: (cli, save_dir)."""
-    save_dir = tmp_path_factory.mktemp("runs")
+    """One 2-step fit through the CLI on TINY data, one process, in a job folder: (cli, root_dir)."""
+    root_dir = tmp_path_factory.mktemp("job")
     cli = train.main([
         "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", f"--trainer.default_root_dir={root_dir}",
+        "--trainer.callbacks+=BenchmarkMonitor", "--trainer.callbacks.warmup_steps=1",
     ])
-    return cli, save_dir
+    return cli, root_dir
 
 
-def test_fit_through_the_cli(fit_run: tuple) -> None:
-    cli, save_dir = fit_run
+def test_fit_through_the_cli_writes_everything_under_default_root_dir(fit_run: tuple) -> None:
+    cli, root_dir = fit_run
     assert cli.trainer.state.finished and cli.trainer.global_step == 2
-    log_dir = save_dir / "lightning_logs" / "version_0"
+    log_dir = root_dir / "lightning_logs" / "version_0"
     assert (log_dir / "config.yaml").is_file() and (log_dir / "checkpoints" / "last.ckpt").is_file()
-    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert list(log_dir.glob("events.out.tfevents.*")) and (log_dir / "benchmark.json").is_file()
+    # The saved config names the folder the logger really used (re-running it writes there too).
+    saved = yaml.safe_load((log_dir / "config.yaml").read_text())["trainer"]
+    assert saved["logger"]["init_args"]["save_dir"] == saved["default_root_dir"] == str(root_dir)
+    summary = train.fit_summary(cli.trainer, cli.datamodule, wall_s=1.0)
+    assert f"tensorboard --logdir {root_dir / 'lightning_logs'}   (this run: {log_dir})" in summary
+    assert f"  checkpoint  {log_dir / 'checkpoints' / 'last.ckpt'}" in summary
     assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["dataset_used"] == "synthetic"
     # Checkpoints rebuild model and data (the recorded dataset_used is not an __init__ argument).
     checkpoint = log_dir / "checkpoints" / "last.ckpt"
@@ -113,13 +131,13 @@ def test_fit_through_the_cli(fit_run: tuple) -> None:
 
 
 def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir: Path) -> None:
-    _, save_dir = fit_run
-    checkpoint = save_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    _, root_dir = fit_run
+    checkpoint = root_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     cli = train.main([
         "predict", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
-        "--data.eval_batch_size=48", f"--trainer.logger.init_args.save_dir={save_dir}", f"--ckpt_path={checkpoint}",
+        "--data.eval_batch_size=48", f"--trainer.default_root_dir={root_dir}", f"--ckpt_path={checkpoint}",
     ])
-    path = save_dir / "lightning_logs" / "version_1" / "predictions.pt"  # the predict run's own log dir
+    path = root_dir / "lightning_logs" / "version_1" / "predictions.pt"  # the predict run's own log dir
     (writer,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, train.PredictionWriter)]
     assert writer.written == [path]
     saved = torch.load(path)
@@ -143,7 +161,7 @@ def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_c
         f"--data.data_dir={tmp_path / 'data'}", "--data.download=false",  # never fetch 160 MB in a test
         "--data.synthetic_train_size=400", "--data.synthetic_test_size=200", "--data.val_size=100",
         "--data.batch_size=32", "--data.eval_batch_size=50", "--trainer.max_epochs=1",
-        "--trainer.limit_train_batches=3", "--trainer.enable_progress_bar=false",
+        "--trainer.limit_train_batches=3", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.callbacks+=BenchmarkMonitor", "--trainer.callbacks.warmup_steps=1",
     ]
@@ -162,6 +180,10 @@ def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_c
     # The fallback banner once, without the warning call's source line under it.
     assert output.count("FALLING BACK TO SYNTHETIC DATA") == 1 and "rank_zero_warn(" not in output
     assert "💡 Tip" not in output  # Lightning's litlogger / litmodels adverts
+    # No warning on either rank but the fallback banner (a header line naming where prepare_data was called, then it).
+    lines = output.splitlines()
+    (header,) = [i for i, line in enumerate(lines) if _WARNING_LINE.search(line)]
+    assert lines[header + 1] == "!" * 78, output
     assert not [line for line in output.splitlines() if "all_gather" in line and "deprecated" in line]
     total_flops = [line for line in output.splitlines() if line.endswith("Total Flops")]
     assert len(total_flops) == 1 and not total_flops[0].startswith("0 "), total_flops
@@ -249,7 +271,91 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
     assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
 
 
-def test_non_positive_timeout_from_the_command_line_names_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"timeout=0.0 must be > 0 seconds"):
-        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp",
-                    "--trainer.strategy.timeout=0"], run=False)
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        # The strategy's own checks, which jsonargparse would fold into its 58-line Union report.
+        (("--trainer.strategy.bucket_cap_mb=-1",), "CustomDDPStrategy: bucket_cap_mb=-1.0 must be a number > 0"),
+        (("--trainer.strategy=custom_ddp", "--trainer.strategy.timeout=0"),
+         "CustomDDPStrategy: timeout=0.0 must be > 0 seconds"),
+        # A parse error inside the same Union, and one after 60 lines of usage: the innermost reason and its key.
+        (("--trainer.strategy.sync_mode=foo",),
+         "trainer.strategy.sync_mode: Expected a typing.Literal['bucketed', 'flat', 'per_param', 'per_param_overlap']"),
+        (("--data.dataset=foo",), "data.dataset: Expected a typing.Literal['cifar100', 'synthetic', 'auto']"),
+        # An innermost Union: what each of its types said.
+        (("--trainer.strategy.timeout=abc",),
+         "trainer.strategy.timeout: Expected a <class 'float'> / Not of type timedelta: Expected a string with form"),
+        # The data's and the model's own checks (OptionError), raised while LightningCLI builds them.
+        (("--data.batch_size=0",), "batch_size (0) and eval_batch_size (500) must be >= 1."),
+        (("--model.net=foo",), "unknown net 'foo'; choose one of ['resnet18', 'template']."),
+    ],
+    ids=["strategy-check", "strategy-timeout", "strategy-literal", "data-literal", "strategy-union", "data-check",
+         "model-check"],
+)
+def test_a_bad_option_is_reported_in_one_line(capsys: pytest.CaptureFixture, options: tuple[str, ...],
+                                              reason: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(CONFIGS / "quickstart.yaml"), *options], run=False)
+    assert exit_info.value.code == 2
+    error, hint = _stderr_lines(capsys)  # nothing else
+    assert error.startswith(f"error: {reason}"), error
+    assert hint == "  (every option: python train.py --help; jsonargparse's full report: JSONARGPARSE_DEBUG=true)"
+
+
+def test_the_hint_names_the_subcommand(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        train.main(["test", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.devices=1",
+                    "--trainer.strategy=auto", "--trainer.nonsense=1"])
+    assert _stderr_lines(capsys) == [
+        "error: unrecognized arguments: --trainer.nonsense=1",
+        "  (every option: python train.py test --help; jsonargparse's full report: JSONARGPARSE_DEBUG=true)",
+    ]
+
+
+def test_jsonargparse_debug_lets_the_full_report_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
+    with pytest.raises(ArgumentError, match="Does not validate against any of the Union subtypes"):
+        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.sync_mode=foo"], run=False)
+    with pytest.raises(ValueError, match="bucket_cap_mb=-1.0 must be a number > 0"):
+        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.bucket_cap_mb=-1"], run=False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "save_dir"),
+    [((), "."), (("--trainer.default_root_dir={tmp}/job",), "{tmp}/job"),
+     (("--trainer.default_root_dir={tmp}/job", "--trainer.logger.init_args.save_dir={tmp}/logs"), "{tmp}/logs")],
+    ids=["working-directory", "default-root-dir", "explicit-save-dir-wins"],
+)
+def test_the_logger_follows_default_root_dir_unless_given_its_own(tmp_path: Path, flags: tuple[str, ...],
+                                                                  save_dir: str) -> None:
+    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.devices=1", "--trainer.strategy=auto",
+                      *(flag.format(tmp=tmp_path) for flag in flags)], run=False)
+    assert cli.trainer.logger.save_dir == save_dir.format(tmp=tmp_path)
+    assert Path(cli.trainer.log_dir).parent == Path(save_dir.format(tmp=tmp_path)) / "lightning_logs"
+
+
+def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> None:
+    """README's fit, then test and predict of its checkpoint, on tiny data and one process (the 2-process quickstart
+    test checks custom_ddp's fit console too): no console line is a warning. Gone: torch's LeafSpec deprecation from
+    Lightning's _pytree (every run) and ModelCheckpoint's "The dirpath has changed" (test and predict). A new
+    warning fails here."""
+    common = [
+        "--config", "configs/quickstart.yaml", "--trainer.devices=1", "--trainer.strategy=auto",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--data.data_dir={data_dir}", "--data.dataset=synthetic", "--data.synthetic_train_size=400",
+        "--data.synthetic_test_size=200", "--data.val_size=100", "--data.batch_size=32", "--data.eval_batch_size=50",
+        "--trainer.enable_progress_bar=false",
+    ]
+    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    runs = {
+        # log_every_n_steps=1: with 2 batches Lightning would rightly warn about the quickstart's 10.
+        "fit": ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.log_every_n_steps=1"],
+        "test": [f"--ckpt_path={checkpoint}"],
+        "predict": [f"--ckpt_path={checkpoint}"],
+    }
+    for subcommand, flags in runs.items():
+        done = subprocess.run([sys.executable, "train.py", subcommand, *common, *flags], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-4000:]
+        assert [line for line in output.splitlines() if _WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"
