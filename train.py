@@ -41,6 +41,13 @@ Multi-GPU / multi-node with torchrun (Lightning detects the torchrun environment
         --master-addr=$MASTER_ADDR --master-port=29500 \\
         train.py fit --config configs/cifar100_resnet18.yaml --trainer.num_nodes=2 --trainer.devices=8
 
+Stopping a custom_ddp fit: SIGTERM (SLURM, Kubernetes, torchrun), Ctrl+C or SIGUSR1 on any one process stops
+every process after the same optimizer step; rank 0 prints the checkpoint it wrote (the ModelCheckpoint's
+last.ckpt) and the exit status is 128 + the signal number (SIGTERM: 143). Resume from it:
+    python train.py fit --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
+A collective only some processes issue waits for the timeout; with --trainer.strategy.desync_check=true it is
+an error naming both sides instead (README, "Stopping safely").
+
 The assignment's template net (batch 32, 2 processes, gradient accumulation 2, 20 epochs):
     python train.py fit --config configs/cifar100_template_net.yaml
 

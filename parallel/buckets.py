@@ -6,7 +6,9 @@ one "used" flag per parameter. Each parameter's ``.grad`` is a view into that bu
 and no second gradient-sized copy exists. The flags travel in the same all-reduce: after it, a
 flag > 0 means some rank produced a gradient for that parameter, which lets a parameter that no
 rank used keep ``grad=None`` exactly as in single-process training, at the cost of one element
-per parameter instead of an extra collective.
+per parameter instead of an extra collective. The last bucket may also carry ``status_slots``
+elements after its flags: one small integer per rank (see ``SyncedDataParallel.set_rank_status``),
+so every rank learns every rank's status in the gradient all-reduce it already runs.
 
 Assignment follows DDP: parameters in the order given (reverse registration order, roughly the
 order backward produces them), split by (device, dtype), a bucket closes once it reaches its
@@ -34,7 +36,7 @@ class Bucket:
     Attributes:
         index: Position in the launch order; every rank launches buckets in this order.
         params: Parameters whose gradients live in ``buffer``.
-        buffer: ``[grads of params..., one used-flag per param]``.
+        buffer: ``[grads of params..., one used-flag per param, status slots...]``.
         views: ``views[i]`` is ``params[i]``'s gradient slice, shaped like the parameter.
         ready: ``ready[i]`` is whether ``params[i]``'s gradient arrived in this backward.
         pending: How many entries of ``ready`` are still False.
@@ -42,6 +44,7 @@ class Bucket:
         all_used: Whether every parameter had a gradient on this rank when it was launched.
         work: The in-flight all-reduce, if launched and not yet waited on.
         wire: The (possibly compressed) tensor being reduced; ``buffer`` itself when uncompressed.
+        status_slots: Elements after the flags that carry one status value per rank (0: none).
     """
 
     index: int
@@ -54,11 +57,18 @@ class Bucket:
     all_used: bool = True
     work: dist.Work | None = None
     wire: torch.Tensor | None = None
+    status_slots: int = 0
 
     @property
     def flags(self) -> torch.Tensor:
-        """One used-flag per parameter, at the tail of ``buffer``."""
-        return self.buffer[self.buffer.numel() - len(self.params) :]
+        """One used-flag per parameter, right after the gradients."""
+        end = self.buffer.numel() - self.status_slots
+        return self.buffer[end - len(self.params) : end]
+
+    @property
+    def status(self) -> torch.Tensor:
+        """The status slots at the tail of ``buffer`` (empty unless ``status_slots``)."""
+        return self.buffer[self.buffer.numel() - self.status_slots :]
 
     def reset(self) -> None:
         """Forget the last step's all-reduce; the gradients stay in ``buffer``."""
@@ -101,19 +111,25 @@ def assign_buckets(
     return sorted(closed, key=lambda bucket: bucket[0])
 
 
-def build_buckets(params: Sequence[torch.nn.Parameter], groups: list[list[int]]) -> list[Bucket]:
-    """Allocate one zeroed flat buffer per group; carve the parameters' gradient views from it."""
+def build_buckets(
+    params: Sequence[torch.nn.Parameter], groups: list[list[int]], status_slots: int = 0
+) -> list[Bucket]:
+    """Allocate one zeroed flat buffer per group; carve the parameters' gradient views from it.
+
+    ``status_slots`` extra elements go to the LAST bucket, the one launched last in every step.
+    """
     buckets = []
     for bucket_index, group in enumerate(groups):
         members = [params[i] for i in group]
         numel = sum(p.numel() for p in members)
         first = members[0]
-        buffer = torch.zeros(numel + len(members), dtype=first.dtype, device=first.device)
+        slots = status_slots if bucket_index == len(groups) - 1 else 0
+        buffer = torch.zeros(numel + len(members) + slots, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for p in members:
             views.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        bucket = Bucket(bucket_index, members, buffer, views)
+        bucket = Bucket(bucket_index, members, buffer, views, status_slots=slots)
         bucket.reset()
         buckets.append(bucket)
     return buckets

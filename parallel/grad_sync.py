@@ -24,7 +24,14 @@ Every rank launches buckets in the same fixed order: a bucket whose gradients ar
 for the buckets before it, because collectives are matched by issue order. Buckets that are not
 complete at :meth:`finish` (parameters unused in this backward) are launched there, with zeros
 for the missing gradients, so ranks never desynchronise; a parameter that no rank produced a
-gradient for keeps ``grad=None``. Pure torch; no Lightning import.
+gradient for keeps ``grad=None``.
+
+Rank status (``carry_rank_status=True``): each rank may set a small integer
+(:meth:`~SyncedDataParallel.set_rank_status`, e.g. "a SIGTERM arrived here"); it travels in the
+last bucket of the step's all-reduce, one slot per rank, and after :meth:`finish` every rank reads
+the same tuple of every rank's value (:attr:`~SyncedDataParallel.rank_status`). Every rank thereby
+takes the same decision at the same optimizer step, without a collective of its own. Pure torch;
+no Lightning import.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ class SyncedDataParallel(nn.Module):
             dtype (half the bytes on the wire; precision and range in
             :data:`parallel.sync_config.GradCompression`).
         broadcast_init: Broadcast rank 0's parameters and buffers at construction.
+        carry_rank_status: Reserve one slot per rank in the last bucket for :meth:`set_rank_status`.
     """
 
     def __init__(
@@ -103,6 +111,7 @@ class SyncedDataParallel(nn.Module):
         first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
         grad_compression: str | None = None,
         broadcast_init: bool = True,
+        carry_rank_status: bool = False,
     ) -> None:
         super().__init__()
         _check_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
@@ -116,7 +125,11 @@ class SyncedDataParallel(nn.Module):
         # Reverse registration order approximates the order backward produces gradients in.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         cap_mb, first_cap_mb = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
-        self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb))
+        slots = self._world_size if carry_rank_status else 0
+        self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb), slots)
+        self._rank = dist.get_rank(process_group) if self._world_size > 1 else 0
+        self._local_status = 0
+        self._rank_status: tuple[int, ...] | None = None
         log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", mode, self._world_size,
                   describe_buckets(self._buckets, module))
         self._hook_handles = [
@@ -141,6 +154,25 @@ class SyncedDataParallel(nn.Module):
     @property
     def grad_compression(self) -> str | None:
         return self._compression
+
+    @property
+    def rank_status(self) -> tuple[int, ...] | None:
+        """Every rank's status as of the last synced step (the same tuple on every rank).
+
+        ``None`` before the first synced step, without ``carry_rank_status`` or without buckets.
+        """
+        return self._rank_status
+
+    def set_rank_status(self, value: int) -> None:
+        """This rank's status for the coming synced steps (it stays until changed).
+
+        ``value`` is read when the last bucket is launched, so a value set during a step's
+        backward may only travel with the next step. Values are small integers, ``0 <= value < 128``
+        (they ride in the gradients' dtype, bfloat16 included).
+        """
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 128:
+            raise ValueError(f"rank status {value!r} must be an int in [0, 128)")
+        self._local_status = value
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -227,6 +259,9 @@ class SyncedDataParallel(nn.Module):
             elif not _is_view_of(param.grad, view):
                 view.copy_(param.grad)
                 param.grad = view
+        if bucket.status_slots:
+            bucket.status.zero_()
+            bucket.status[self._rank] = self._local_status
         bucket.launched = True
         self._next_launch = bucket.index + 1
         if self._world_size == 1:
@@ -246,6 +281,12 @@ class SyncedDataParallel(nn.Module):
             if bucket.wire is not bucket.buffer:
                 bucket.buffer.copy_(bucket.wire)
             bucket.work, bucket.wire = None, None
+        if bucket.status_slots:
+            # Slot r held rank r's value, zeros elsewhere, pre-divided by the world size like the
+            # gradients: the sum is value / world_size, within 0.25 of it after rescaling even in
+            # bfloat16 (8 significant bits) for values < 128, so rounding recovers it exactly.
+            scaled = bucket.status.float() * self._world_size
+            self._rank_status = tuple(int(v) for v in scaled.round().tolist())
         if bucket.all_used:
             return
         # Some local gradient was missing: a parameter no rank used keeps grad=None, one that

@@ -5,6 +5,9 @@
 - ``layer_sync``: ``CustomSyncBatchNorm``, the ``LayerSync`` plugin that swaps BatchNorm layers.
 - ``evaluation``: the glue between scattered evaluation loaders, the Trainer's hooks and the
   module's torchmetrics.
+- ``preemption``, ``stop_signals``: a signal on any rank stops every rank at the same optimizer
+  step with a checkpoint and exit status 128 + signum.
+- ``desync``: the opt-in collective fingerprint check (a desync is an error naming both sides).
 
 Registration happens here, on the Lightning side, because Lightning resolves
 ``Trainer(strategy="custom_ddp")`` and ``--trainer.strategy=custom_ddp`` through its

@@ -68,9 +68,11 @@ from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
 from parallel.uneven_gather import all_gather_padded, all_gather_rows
 from parallel.zero import ShardedOptimizer
+from strategies.desync import check_desync_option, enable_desync_check, report_desync
 from strategies.evaluation import ScatteredEvaluation
 from strategies.layer_sync import CustomSyncBatchNorm
 from strategies.options import as_timedelta, check_options, check_syncbn_group_size, is_mean_op
+from strategies.preemption import Preemption
 
 __all__ = ["CustomDDPStrategy"]
 
@@ -104,6 +106,13 @@ class CustomDDPStrategy(DDPStrategy):
         timeout: Collective timeout, a ``timedelta`` or a number of seconds (> 0); a dead peer ends
             the run with an error after it. ``None``: torch's default.
         start_method: ``"popen"`` (default, re-runs the script), ``"fork"`` or ``"spawn"``.
+        desync_check: Check every collective's fingerprint across ranks (torch's
+            ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): a rank issuing a different collective ends the run
+            with an error naming both sides instead of a wait; costs a few ms per collective of a
+            step on 2 CPU ranks (:mod:`strategies.desync`, ``benchmarks/results/desync_cost``).
+
+    SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
+    checkpoint and exit status 128 + signum (:mod:`strategies.preemption`).
     """
 
     strategy_name = "custom_ddp"
@@ -126,9 +135,11 @@ class CustomDDPStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        desync_check: bool = False,
     ) -> None:
         check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
                       grad_compression=grad_compression, syncbn_group_size=syncbn_group_size)
+        check_desync_option(desync_check)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -149,6 +160,8 @@ class CustomDDPStrategy(DDPStrategy):
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
         self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
+        self._desync_check = desync_check
+        self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
     @property
@@ -184,6 +197,10 @@ class CustomDDPStrategy(DDPStrategy):
         return self._scatter_eval
 
     @property
+    def desync_check(self) -> bool:
+        return self._desync_check
+
+    @property
     def options(self) -> dict[str, Any]:
         """This strategy's own settings, for logs, hyperparameters and benchmark records."""
         return {
@@ -195,6 +212,7 @@ class CustomDDPStrategy(DDPStrategy):
             "grad_compression": self._grad_compression,
             "zero1": self._zero1,
             "scatter_eval": self._scatter_eval,
+            "desync_check": self._desync_check,
         }
 
     # ----------------------------------------------------------------- setup / teardown
@@ -205,7 +223,14 @@ class CustomDDPStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._sync_batchnorm:
             self._layer_sync = self._resolve_layer_sync()
         super().setup(trainer)
+        self._preemption.attach(trainer)
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._desync_check:
+            enable_desync_check()  # before the process group exists: torch wraps it at creation
+        super().setup_environment()
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
         if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
@@ -247,8 +272,10 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
+        # carry_rank_status: the stop flag of strategies.preemption rides in the last gradient bucket.
         return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb,
-                                  first_bucket_cap_mb=self._first_bucket_cap_mb, grad_compression=self._grad_compression)
+                                  first_bucket_cap_mb=self._first_bucket_cap_mb,
+                                  grad_compression=self._grad_compression, carry_rank_status=True)
 
     @override
     def configure_ddp(self) -> None:
@@ -276,6 +303,7 @@ class CustomDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._preemption.detach()
         if isinstance(self.model, SyncedDataParallel):
             self.model.remove_hooks()
             self.model = self.lightning_module
@@ -300,6 +328,16 @@ class CustomDDPStrategy(DDPStrategy):
         # Runs inside the optimizer closure: before unscaling, clipping and on_before_optimizer_step.
         if isinstance(self.model, SyncedDataParallel):
             self.model.finish()
+            self._preemption.after_gradient_sync(self.model)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._desync_check and self.cluster_environment is not None:
+            env = self.cluster_environment
+            message = report_desync(exception, self.global_rank, self.world_size, env.main_address, env.main_port)
+            if message is not None:
+                log.error(message)
+        super().on_exception(exception)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

@@ -1,0 +1,291 @@
+"""Fault matrix: signals, a killed rank, a one-rank exception and a rank-only collective, on a real fit.
+
+Each row starts :mod:`benchmarks.fault_fit` (2 CPU ranks, Lightning's popen launcher, collective
+timeout 30 s), injects one fault at a chosen moment and measures, from outside: the time from the
+fault to every rank process gone, each rank's exit status, rank 0's message, whether a checkpoint
+was written after the fault (and at which step), and whether ``fit --ckpt_path`` resumes from it
+to the end of training. Signals come from this process (``os.kill`` on one rank's pid, taken from
+the rank's event file) while the rank is where the row says: blocked in the SyncBN all_gather of a
+training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save::
+
+    python -m benchmarks.fault_matrix                  # every row (~3 min on 2 cores), README block
+    python -m benchmarks.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # README untouched
+
+Writes ``results.json``, ``results.md`` and README.md's block (:mod:`benchmarks.fault_matrix_report`).
+``tests/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from benchmarks import fault_matrix_report
+from callbacks.run_info import environment
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "fault_matrix"
+README = REPO_ROOT / "README.md"
+STEPS_PER_EPOCH, EPOCHS = 12, 3  # benchmarks.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
+DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
+HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fault: what, which rank, when (see the module docstring)."""
+
+    name: str
+    label: str
+    fault: str  # SIGTERM | SIGKILL | exception | rank_collective
+    rank: int
+    phase: str  # train | val | ckpt
+    desync_check: bool = False
+    timeout_s: float = 30.0
+
+    @property
+    def is_signal(self) -> bool:
+        return self.fault.startswith("SIG")
+
+
+ROWS = (
+    Row("sigterm_rank0_train", "SIGTERM to rank 0 during training", "SIGTERM", 0, "train"),
+    Row("sigterm_rank1_train", "SIGTERM to rank 1 during training", "SIGTERM", 1, "train"),
+    Row("sigterm_rank0_val", "SIGTERM to rank 0 during validation", "SIGTERM", 0, "val"),
+    Row("sigterm_rank1_val", "SIGTERM to rank 1 during validation", "SIGTERM", 1, "val"),
+    Row("sigterm_rank0_ckpt", "SIGTERM to rank 0 during a checkpoint save", "SIGTERM", 0, "ckpt"),
+    Row("sigterm_rank1_ckpt", "SIGTERM to rank 1 during a checkpoint save", "SIGTERM", 1, "ckpt"),
+    Row("sigkill_rank0_train", "SIGKILL of rank 0 during training", "SIGKILL", 0, "train"),
+    Row("sigkill_rank1_train", "SIGKILL of rank 1 during training", "SIGKILL", 1, "train"),
+    Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
+    Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
+        desync_check=True),
+    Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
+        0, "train", timeout_s=10.0),
+)
+ROWS_BY_NAME = {row.name: row for row in ROWS}
+FAULT_EPOCH, FAULT_BATCH = 1, 3  # mid-epoch 1: epoch 0's checkpoint exists, the fault's must be newer
+
+
+@dataclass
+class Result:
+    """What a row measured (times in seconds; statuses as a shell shows them: 128 + signal if killed)."""
+
+    row: str
+    label: str
+    seconds_to_all_gone: Optional[float]
+    seconds_to_exit: Optional[float]  # to the last rank's exit event (Python's exit path begins; None if killed)
+    status: dict[int, Optional[int]]
+    message: str
+    checkpoint_step: Optional[int]
+    step_at_fault: Optional[int]
+    resumed_to_step: Optional[int] = None
+    resume_status: Optional[int] = None
+    hung: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None) -> list[str]:
+    command = [sys.executable, "-m", "benchmarks.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
+    if ckpt_path is not None:
+        return command + ["--ckpt_path", str(ckpt_path)]
+    assert row is not None
+    command += ["--timeout", str(row.timeout_s)] + (["--desync_check"] if row.desync_check else [])
+    where = f"{row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}"
+    if row.phase == "train" and row.is_signal:
+        command += ["--hold", f"{1 - row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}:{HOLD_S}"]
+    if row.phase == "ckpt":
+        command += ["--ckpt_hold", str(HOLD_S)]
+    if row.fault == "exception":
+        command += ["--raise_at", where]
+    if row.fault == "rank_collective":
+        command += ["--rank_collective_at", where]
+    return command
+
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(out.glob("events_rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by SIGKILL
+                continue
+    return sorted(events, key=lambda e: e["t"])
+
+
+def _trigger(row: Row, event: dict[str, Any]) -> Optional[float]:
+    """Seconds to wait before sending the row's signal, if ``event`` is its moment; else ``None``."""
+    if event["rank"] != row.rank:
+        return None
+    if row.phase == "train" and event["event"] == "train_batch":
+        if (event["epoch"], event["batch"]) == (FAULT_EPOCH, FAULT_BATCH):
+            return 0.3  # by then the rank waits in the batch's SyncBN all_gather for its held-back peer
+    if row.phase == "val" and event["event"] == "val_batch" and event["batch"] == 1:
+        return 0.0
+    if row.phase == "ckpt" and event["event"] == "ckpt_save":
+        return 0.3  # inside the first save (fault_fit holds it HOLD_S)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _shell_status(returncode: Optional[int]) -> Optional[int]:
+    return None if returncode is None else (128 - returncode if returncode < 0 else returncode)
+
+
+@dataclass
+class FitRun:
+    returncode: int
+    pids: dict[int, int]  # rank -> process id
+    fault_at: Optional[float]  # time.time() of the fault (signal sent, or the rank's "fault" event)
+    gone_at: float  # when the last rank process was seen gone (polled every 10 ms)
+    killed: bool  # still running DEADLINE_S after the fault (or at the overall deadline): killed here
+
+
+def _run_fit(command: list[str], out: Path, row: Optional[Row]) -> FitRun:
+    """Run one fit; send ``row``'s signal at its moment; poll until every rank process is gone."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "output.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        pids: dict[int, int] = {}
+        fault_at, send_at, deadline, killed = None, None, time.time() + 2 * DEADLINE_S, True
+        try:
+            while time.time() < deadline and (fault_at is None or time.time() < fault_at + DEADLINE_S):
+                events = _events(out)
+                pids.update({e["rank"]: e["pid"] for e in events if e["event"] == "start"})
+                if row is not None and fault_at is None:
+                    fault_at, send_at = _inject(row, events, pids, send_at)
+                if proc.poll() is not None and not any(_alive(pid) for pid in pids.values()):
+                    killed = False
+                    break
+                time.sleep(0.01)
+            gone_at = time.time()
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+            for pid in pids.values():
+                _kill_quietly(pid)
+            proc.wait()
+    return FitRun(proc.returncode, pids, fault_at, gone_at, killed)
+
+
+def _inject(row: Row, events: list[dict[str, Any]], pids: dict[int, int],
+            send_at: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """``(fault time or None, when to send the signal or None)``; sends it once its time has come."""
+    if not row.is_signal:
+        return next((e["t"] for e in events if e["event"] == "fault"), None), None
+    if send_at is None:
+        send_at = next((e["t"] + d for e in events if (d := _trigger(row, e)) is not None), None)
+    if send_at is not None and time.time() >= send_at and row.rank in pids:
+        fault_at = time.time()
+        os.kill(pids[row.rank], getattr(signal, row.fault))
+        return fault_at, send_at
+    return None, send_at
+
+
+def _kill_quietly(pid: int) -> None:
+    if _alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[\w.]+)(?:Error|Exception)\b.*)$")
+
+
+def _message(out: Path) -> str:
+    """Rank 0's stop or desync message; otherwise each rank's last error line, shortened."""
+    lines = (out / "output.log").read_text(errors="replace").replace(f"{out}/", "").splitlines()
+    ours = [line.strip() for line in lines if (line.startswith("custom_ddp") and " received " not in line)]
+    if any("desync check" in line for line in ours):  # rank 0's message: the header and one line per rank
+        start = next(i for i, line in enumerate(lines)
+                     if "desync check" in line and "rank 0" in "".join(lines[i:i + 4]))
+        ours = [line.strip() for line in lines[start:start + 3]]
+    if ours:
+        return " / ".join(dict.fromkeys(ours))
+    errors: dict[str, str] = {}
+    for line in lines:
+        match = _ERROR_LINE.match(line)
+        if match:
+            errors[match.group(1) or "?"] = match.group(2)
+    return " / ".join(f"rank {rank}: {text[:160]}" for rank, text in sorted(errors.items()))
+
+
+def _checkpoint_step(path: Path, after: float) -> Optional[int]:
+    if not path.exists() or path.stat().st_mtime < after:
+        return None
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+def run_row(row: Row, out: Path, resume: bool = True) -> Result:
+    """Run one row in ``out`` (a fresh folder) and measure it."""
+    run = _run_fit(_fit_command(out, row), out, row)
+    if run.fault_at is None:
+        raise RuntimeError(f"{row.name}: the fault was never injected (the fit ended first?); see {out}/output.log")
+    events = _events(out)
+    exits = {e["rank"]: e for e in events if e["event"] == "exit"}
+    # Rank 0's status is its process's (the one a scheduler sees under the popen launcher); the
+    # others' come from their exit events (their parent, rank 0, reaps them).
+    status = {rank: exits[rank]["code"] if rank in exits else None for rank in sorted(run.pids)}
+    status[0] = _shell_status(run.returncode)
+    before = [e["step"] for e in events
+              if e["event"] == "train_batch" and e["rank"] == row.rank and e["t"] <= run.fault_at]
+    last = out / "checkpoints" / "last.ckpt"
+    exited = round(max(e["t"] for e in exits.values()) - run.fault_at, 2) if len(exits) == len(run.pids) else None
+    result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
+                    status, _message(out), _checkpoint_step(last, run.fault_at), max(before) if before else None,
+                    hung=run.killed)
+    result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]
+    if resume and result.checkpoint_step is not None:
+        resumed = out / "resume"
+        again = _run_fit(_fit_command(resumed, None, last), resumed, None)
+        done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]
+        result.resume_status = _shell_status(again.returncode)
+        result.resumed_to_step = done[0].get("step") if done else None
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", choices=sorted(ROWS_BY_NAME), help="default: every row")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    rows = [ROWS_BY_NAME[name] for name in args.rows] if args.rows else list(ROWS)
+    load_before = os.getloadavg()[0]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fault_matrix_") as work:
+        for row in rows:
+            results.append(run_row(row, Path(work) / row.name))
+            print(json.dumps(asdict(results[-1])), flush=True)
+    record = {"benchmark": "fault_matrix", "date": time.strftime("%Y-%m-%d"), "environment": environment(),
+              "load_before": load_before, "final_step": STEPS_PER_EPOCH * EPOCHS, "rows": [asdict(r) for r in results]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / "results.md").write_text("# Fault matrix\n\n" + fault_matrix_report.render_block(record) + "\n")
+    if args.out == DEFAULT_OUT and not args.rows:
+        README.write_text(fault_matrix_report.update_readme(record)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

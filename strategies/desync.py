@@ -1,0 +1,170 @@
+"""Opt-in collective desync check for ``custom_ddp``: a mismatch is an error naming both sides.
+
+Every rank must issue the same collectives in the same order. When one does not (a collective
+under ``if self.global_rank == 0``, a step one rank skips, a ``self.log(..., sync_dist=True)`` only
+some ranks reach), gloo and NCCL pair the wrong operations: the run waits for the process-group
+timeout (30 minutes by default), aborts (gloo, on a size mismatch) or computes garbage.
+
+``desync_check=True`` turns on torch's collective fingerprint check (what
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does): torch wraps the process group in its
+``ProcessGroupWrapper``, which before every collective exchanges a fingerprint (sequence number,
+operation, shapes, dtypes) over a helper gloo group and raises on every rank at the first
+difference, within milliseconds instead of the timeout. torch's message is not enough to find the
+bug: it names operations and shapes only, and the peer's side is often its own internal barrier
+or gather rather than the user's collective. :func:`report_desync` therefore describes each rank's
+side from its own traceback (the ``torch.distributed`` call with its tensor's dtype and shape, and
+the source: SyncBN forward/backward, a gradient bucket, the evaluation reductions, Lightning's loop,
+or user code with file and line), and the ranks exchange these lines through the job's TCP store
+(not a collective, bounded wait), so rank 0 prints both sides in one message.
+
+Cost: a barrier and an all_gather on the helper group before every collective, and asynchronous
+collectives (gradient buckets) wait for the peer at launch, losing overlap with backward: a few ms
+per collective of a step on 2 CPU ranks, tens of percent of a small step
+(``benchmarks/results/desync_cost``, also in README.md). Turn it on to debug a hang, in CI and after changing
+anything that issues collectives; leave it off for long production runs. It must be on before the
+process group exists: the strategy sets torch's debug level in ``setup_environment`` of every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_desync_option", "enable_desync_check", "is_desync_error", "own_side", "report_desync"]
+
+_MARKERS = ("Detected mismatch between collectives", "failed to pass monitoredBarrier")
+_COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "all_gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+                "barrier", "monitored_barrier"}
+_TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "object_list", "obj", "scatter_list")
+# Project files whose collectives have a name, by (path part, function) -> source; "" matches any function.
+_SOURCES = (
+    ("parallel/syncbn_function.py", "backward", "SyncBN backward"),
+    ("parallel/syncbn_function.py", "", "SyncBN forward"),
+    ("parallel/grad_sync.py", "", "gradient bucket (SyncedDataParallel)"),
+    ("parallel/metric_reduction.py", "", "evaluation metric reduction"),
+    ("parallel/metric_sync.py", "", "evaluation metric reduction"),
+    ("parallel/eval_sharding.py", "", "evaluation scatter"),
+    ("parallel/uneven_gather.py", "", "custom_ddp all_gather"),
+    ("parallel/zero.py", "", "ZeRO-1 optimizer"),
+)
+_STORE_WAIT_S = 3.0
+
+
+def check_desync_option(desync_check: object) -> None:
+    if not isinstance(desync_check, bool):
+        raise ValueError(f"CustomDDPStrategy: desync_check={desync_check!r} must be a bool")
+
+
+def enable_desync_check() -> None:
+    """Make every process group created from now on check collective fingerprints (this process)."""
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "custom_ddp: desync_check=True must be set before the process group exists, but torch.distributed is "
+            "already initialised (by init_process_group in user code?). Set TORCH_DISTRIBUTED_DEBUG=DETAIL in the "
+            "environment instead, or let the strategy create the process group.")
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+
+def is_desync_error(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it chains) is torch's collective mismatch report."""
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if any(marker in str(seen) for marker in _MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _describe_tensor(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}[{', '.join(map(str, value.shape))}]"
+    if isinstance(value, (list, tuple)) and value:
+        return f"{len(value)} x {_describe_tensor(value[0])}"
+    return type(value).__name__
+
+
+def _collective_call(frames: list[tuple[FrameType, int]]) -> str:
+    """The innermost ``torch.distributed`` collective in ``frames``, with its tensor: 'all_reduce(float32[16])'."""
+    for frame, _ in reversed(frames):
+        code = frame.f_code
+        if code.co_name in _COLLECTIVES and "torch/distributed" in code.co_filename.replace("\\", "/"):
+            arg = next((frame.f_locals[name] for name in _TENSOR_ARGS if name in frame.f_locals), None)
+            return f"{code.co_name}({_describe_tensor(arg)})" if arg is not None else f"{code.co_name}()"
+    return "a collective"
+
+
+def _relative(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _is_library(path: str) -> bool:
+    return "/site-packages/" in path or "/lib/python" in path or path.startswith("<")
+
+
+def _source(frames: list[tuple[FrameType, int]]) -> str:
+    """Who issued the collective: the innermost project frame names it; strategies/ frames pass it on."""
+    via = ""
+    for frame, lineno in reversed(frames):
+        path, name = frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name
+        if _is_library(path):
+            if name == "_broadcast_sigterm_tensor":
+                return "Lightning's loop (per-batch SIGTERM broadcast)"
+            continue
+        for part, function, source in _SOURCES:
+            if part in path and (not function or name == function):
+                return f"{source} ({part}:{lineno})"
+        if "/strategies/" in path and not via:
+            via = f"strategy.{name} ({path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{lineno}) from "
+            continue
+        return f"{via}user code {_relative(path)}:{lineno} in {name}"
+    inner = next((f for f, _ in reversed(frames) if "lightning" in f.f_code.co_filename), None)
+    return f"Lightning ({inner.f_code.co_name})" if inner is not None else "unknown"
+
+
+def own_side(tb: Optional[TracebackType], rank: int) -> str:
+    """``rank R: <collective>(<tensor>) from <source>``, read from the failing collective's traceback."""
+    frames = list(traceback.walk_tb(tb))
+    return f"rank {rank}: {_collective_call(frames)} from {_source(frames)}"
+
+
+def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Optional[list[str]]:
+    """Every rank's line through the job's TCP store (rank 0 waits up to 3 s); ``None`` if unreachable.
+
+    The store is the rendezvous server every rank already talks to; it is not a collective, so a
+    desynchronised process group cannot hang it. Only rank 0 waits for the others' lines.
+    """
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_STORE_WAIT_S))
+        store.set(f"custom_ddp/desync/{rank}", line)
+        if rank != 0:
+            return [line]
+        keys = [f"custom_ddp/desync/{r}" for r in range(world_size)]
+        store.wait(keys, timedelta(seconds=_STORE_WAIT_S))
+        return [store.get(key).decode() for key in keys]
+    except (RuntimeError, OSError, ValueError):  # unreachable store or a peer that never reported
+        return None
+
+
+def report_desync(error: BaseException, rank: int, world_size: int, host: str, port: int) -> Optional[str]:
+    """The message this rank logs for torch's desync error; ``None`` when ``error`` is something else."""
+    if not is_desync_error(error):
+        return None
+    line = own_side(error.__traceback__, rank)
+    sides = _exchange(line, rank, world_size, host, port)
+    head = ("custom_ddp desync check: the ranks issued different collectives (every rank must issue the same "
+            "collectives in the same order):")
+    if sides is None:
+        first = str(error).splitlines()[0][:400]
+        return f"{head}\n  {line}\n  other ranks: see their own lines; torch says: {first}"
+    tail = ("  Look for a collective only some ranks reach: a branch on the rank, a step one rank skips, "
+            "self.log(..., sync_dist=True) in a rank-dependent branch.")
+    return "\n".join([head, *(f"  {side}" for side in sides), tail])

@@ -1,0 +1,67 @@
+"""The desync check's option, its error detection and the attribution of a rank's own collective.
+
+The end-to-end case (a collective on rank 0 only, caught within milliseconds, both sides named by
+rank 0) is a row of the fault matrix (``tests/test_fault_matrix.py``); the README's cost table must
+come from the committed ``benchmarks/results/desync_cost`` record.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks import desync_cost
+from collectives.launcher import run_workers
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.desync import enable_desync_check, is_desync_error, own_side, report_desync
+
+
+def _user_collective() -> None:
+    # Raises from inside all_reduce whether or not an earlier test left a process group behind.
+    dist.all_reduce(torch.zeros(3), op="not an op")
+
+
+def test_own_side_names_the_collective_its_tensor_and_the_user_line() -> None:
+    with pytest.raises((RuntimeError, TypeError, ValueError)) as caught:
+        _user_collective()
+    side = own_side(caught.value.__traceback__, rank=1)
+    assert side.startswith("rank 1: all_reduce(float32[3]) from user code tests/test_desync.py:")
+    assert side.endswith("in _user_collective")
+
+
+def test_only_torchs_mismatch_report_counts_as_a_desync() -> None:
+    mismatch = RuntimeError("Detected mismatch between collectives on ranks. Rank 0 is running collective: ...")
+    wrapped = RuntimeError("step failed")
+    wrapped.__cause__ = mismatch
+    assert is_desync_error(mismatch) and is_desync_error(wrapped)
+    assert not is_desync_error(RuntimeError("Connection closed by peer"))
+    assert report_desync(RuntimeError("other"), 0, 2, "127.0.0.1", 1) is None
+
+
+def test_option_must_be_a_bool() -> None:
+    assert CustomDDPStrategy(desync_check=True).options["desync_check"] is True
+    with pytest.raises(ValueError, match="desync_check='yes' must be a bool"):
+        CustomDDPStrategy(desync_check="yes")
+
+
+def _enable_after_init(rank: int, world_size: int) -> str:
+    try:
+        enable_desync_check()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_enabling_after_the_process_group_exists_is_refused(tmp_path) -> None:
+    messages = run_workers(_enable_after_init, 1, init_file=tmp_path / "store")
+    assert "must be set before the process group exists" in messages[0]
+    assert dist.get_debug_level() == dist.DebugLevel.OFF
+
+
+def test_readme_cost_table_is_generated_from_the_committed_record() -> None:
+    record = json.loads((desync_cost.OUT / "results.json").read_text())
+    assert desync_cost.render_block(record) in desync_cost.README.read_text()

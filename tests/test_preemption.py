@@ -1,0 +1,228 @@
+"""Preemption-safe stops: rank status in the gradient all-reduce, the signal recorder, coordinated stops.
+
+The Lightning tests start 2 ranks with fork and signal a rank from inside (``os.kill`` on itself
+at a hook), which lands at a known point; ``tests/test_fault_matrix.py`` sends real signals from
+outside to popen-launched ranks at moments inside collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.multiprocessing import ProcessExitedException
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from collectives.launcher import run_workers
+from parallel.grad_sync import SyncedDataParallel
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.preemption import Preemption, check_lightning_version, stop_checkpoint_path
+from strategies.stop_signals import SignalRecorder, StopOnSignal, exit_status
+
+WORLD_SIZE = 2
+STEPS_PER_EPOCH = 4  # 32 samples / 2 ranks / batch 4
+
+
+# ------------------------------------------------------------------ rank status (pure torch)
+
+def _status_worker(rank: int, world_size: int, mode: str, compression) -> list:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = SyncedDataParallel(net, mode=mode, grad_compression=compression, carry_rank_status=True,
+                               bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
+    seen = [model.rank_status]
+    for step, value in enumerate((0, 15 if rank == 1 else 0, 2 if rank == 0 else 15)):
+        model.set_rank_status(value)
+        with model.no_sync():  # an accumulating micro-batch carries nothing
+            model(torch.randn(3, 4)).sum().backward()
+        seen.append(model.rank_status)
+        model(torch.randn(3, 4)).sum().backward()
+        model.finish()
+        seen.append(model.rank_status)
+    return seen
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,compression", [("bucketed", None), ("flat", "bf16"), ("per_param", "bf16"),
+                                              ("per_param_overlap", None)])
+def test_every_rank_reads_every_ranks_status_after_the_step(tmp_path: Path, mode: str, compression) -> None:
+    results = run_workers(_status_worker, WORLD_SIZE, args=(mode, compression), init_file=tmp_path / "store")
+    expected = [None, None, (0, 0), (0, 0), (0, 15), (0, 15), (2, 15)]
+    assert results == [expected, expected]
+
+
+def test_status_without_peers_and_bad_values() -> None:
+    model = SyncedDataParallel(nn.Linear(2, 1), carry_rank_status=True)
+    model.set_rank_status(10)
+    model(torch.ones(1, 2)).sum().backward()
+    model.finish()
+    assert model.rank_status == (10,)
+    for bad in (-1, 128, 1.5, True):
+        with pytest.raises(ValueError, match="rank status"):
+            model.set_rank_status(bad)
+    plain = SyncedDataParallel(nn.Linear(2, 1))
+    assert plain.buckets[-1].status_slots == 0 and plain.rank_status is None
+
+
+# ------------------------------------------------------------------ recorder, exit status, version
+
+def test_recorder_records_the_first_signal_once_and_restores() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    calls: list[int] = []
+    recorder = SignalRecorder()
+    recorder.install([signal.SIGUSR1, signal.SIGUSR2], calls.append)
+    try:
+        assert recorder.is_current()
+        signal.raise_signal(signal.SIGUSR2)
+        signal.raise_signal(signal.SIGUSR1)
+        assert recorder.signum == signal.SIGUSR2 and calls == [signal.SIGUSR2]
+    finally:
+        recorder.restore()
+    assert signal.getsignal(signal.SIGUSR1) is before and not recorder.installed
+
+
+def test_second_sigint_interrupts_at_once() -> None:
+    recorder = SignalRecorder()
+    recorder.install([signal.SIGINT])
+    try:
+        signal.raise_signal(signal.SIGINT)  # recorded, no exception
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        recorder.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_exit_status_is_128_plus_signal() -> None:
+    stop = StopOnSignal(signal.SIGTERM, [1], "last.ckpt")
+    assert isinstance(stop, SystemExit) and stop.code == exit_status(signal.SIGTERM) == 143
+    assert exit_status(signal.SIGINT) == 130
+
+
+def test_unverified_lightning_version_fails_loudly() -> None:
+    check_lightning_version("2.6.6")
+    with pytest.raises(RuntimeError, match="found Lightning 2.7.0"):
+        check_lightning_version("2.7.0")
+
+
+def test_stop_checkpoint_is_the_model_checkpoints_last_file(tmp_path: Path) -> None:
+    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")],
+                         logger=False)
+    assert stop_checkpoint_path(trainer) == str(tmp_path / "ckpts" / "last.ckpt")
+    assert stop_checkpoint_path(pl.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, logger=False)) \
+        == str(tmp_path / "preempted.ckpt")
+
+
+# ------------------------------------------------------------------ coordinated stops (2 fork ranks)
+
+class _Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        generator = torch.Generator().manual_seed(1)
+        self.data = TensorDataset(torch.randn(32, 8, generator=generator),
+                                  torch.randint(0, 4, (32,), generator=generator))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return DataLoader(Subset(self.data, range(rank, len(self.data), world)), batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=4)
+
+
+class _SignalSelf(Callback):
+    """``os.kill(own pid, signum)`` on ``rank`` at the start of a training / validation batch."""
+
+    def __init__(self, rank: int, epoch: int, batch: int, stage: str = "train", signum=signal.SIGTERM) -> None:
+        self.where, self.stage, self.signum = (rank, epoch, batch), stage, signum
+
+    def _maybe(self, trainer, batch_idx: int) -> None:
+        if (trainer.global_rank, trainer.current_epoch, batch_idx) == self.where:
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.stage == "train":
+            self._maybe(trainer, batch_idx)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.stage == "val" and not trainer.sanity_checking:
+            self._maybe(trainer, batch_idx)
+
+
+def _trainer(tmp_path: Path, *callbacks: Callback, max_epochs: int = 2, zero1: bool = False) -> pl.Trainer:
+    strategy = CustomDDPStrategy(start_method="fork", timeout=30, zero1=zero1)
+    return pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy,
+                      max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0), *callbacks])
+
+
+def _fit(tmp_path: Path, *callbacks: Callback, ckpt_path=None, zero1: bool = False) -> dict[str, torch.Tensor]:
+    module = _Net()
+    _trainer(tmp_path, *callbacks, zero1=zero1).fit(module, ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _stopped_step(tmp_path: Path, signaller: _SignalSelf, zero1: bool = False) -> int:
+    with pytest.raises(ProcessExitedException, match="exit code 143"):
+        _fit(tmp_path, signaller, zero1=zero1)
+    return torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["global_step"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero1", [False, True])
+def test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly(tmp_path: Path, zero1: bool) -> None:
+    # The last batch of epoch 0: the resumed run must end with the uninterrupted run's weights
+    # (with zero1 the stop's checkpoint consolidates the sharded optimizer state: collectives).
+    uninterrupted = _fit(tmp_path / "full", zero1=zero1)
+    step = _stopped_step(tmp_path, _SignalSelf(rank=1, epoch=0, batch=STEPS_PER_EPOCH - 1), zero1=zero1)
+    assert step == STEPS_PER_EPOCH  # the signalled batch's own optimizer step, nothing after it
+    resumed = _fit(tmp_path / "resumed", ckpt_path=tmp_path / "ckpts" / "last.ckpt", zero1=zero1)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.distributed
+def test_sigterm_during_validation_stops_at_the_next_optimizer_step(tmp_path: Path) -> None:
+    assert _stopped_step(tmp_path, _SignalSelf(rank=0, epoch=0, batch=1, stage="val")) == STEPS_PER_EPOCH + 1
+
+
+@pytest.mark.distributed
+def test_signal_outside_fit_stops_the_stage_without_a_checkpoint(tmp_path: Path) -> None:
+    # Both ranks signalled (as a scheduler does): each stops after its current batch, exit 128 + signum.
+    signallers = [_SignalSelf(rank, 0, 1, "val", signal.SIGUSR1) for rank in range(WORLD_SIZE)]
+    trainer = _trainer(tmp_path, *signallers)
+    with pytest.raises(ProcessExitedException, match=f"exit code {exit_status(signal.SIGUSR1)}"):
+        trainer.validate(_Net(), verbose=False)
+    assert not (tmp_path / "ckpts").exists()
+
+
+def test_preemption_leaves_no_trace_after_the_stage(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CustomDDPStrategy(), max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    try:
+        trainer.fit(_Net())
+    finally:
+        if torch.distributed.is_initialized():  # ddp on 1 device leaves its 1-rank group behind
+            torch.distributed.destroy_process_group()
+    assert not any(isinstance(cb, Preemption) for cb in trainer.callbacks)
+    assert signal.getsignal(signal.SIGTERM) is before
