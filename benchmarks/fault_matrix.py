@@ -41,6 +41,10 @@ README = REPO_ROOT / "README.md"
 STEPS_PER_EPOCH, EPOCHS = 12, 3  # benchmarks.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
 DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
 HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
+# Left by an earlier Lightning run in this process (its launchers export them): inherited, they would
+# make the fit reuse a stale rendezvous port or believe it is a launched child.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                     "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @dataclass(frozen=True)
@@ -165,8 +169,9 @@ def _run_fit(command: list[str], out: Path, row: Optional[Row]) -> FitRun:
     """Run one fit; send ``row``'s signal at its moment; poll until every rank process is gone."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "output.log", "w") as log:
+        env = {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
         proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
         pids: dict[int, int] = {}
         fault_at, send_at, deadline, killed = None, None, time.time() + 2 * DEADLINE_S, True
         try:
@@ -241,7 +246,9 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
     """Run one row in ``out`` (a fresh folder) and measure it."""
     run = _run_fit(_fit_command(out, row), out, row)
     if run.fault_at is None:
-        raise RuntimeError(f"{row.name}: the fault was never injected (the fit ended first?); see {out}/output.log")
+        tail = "\n".join((out / "output.log").read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"{row.name}: the fault was never injected (exit {run.returncode}); the fit's output "
+                           f"ends with:\n{tail}")
     events = _events(out)
     exits = {e["rank"]: e for e in events if e["event"] == "exit"}
     # Rank 0's status is its process's (the one a scheduler sees under the popen launcher); the
