@@ -82,9 +82,9 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
-import callbacks  # noqa: F401  (project callbacks, importable by short name in configs)
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
-from callbacks import PredictionWriter, RunHparams
+# Every project callback imported (callbacks/ loads them lazily), so configs may name it by its short class name.
+from callbacks import BenchmarkMonitor, CollectiveCounter, PredictionWriter, RunHparams  # noqa: F401
 from callbacks.run_hparams import strategy_name
 from lit_cifar.cli_errors import check_strategy_config, short_option_errors
 from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips

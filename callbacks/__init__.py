@@ -1,18 +1,36 @@
-"""Observation-only Lightning callbacks.
+"""Observation-only Lightning callbacks, and the Lightning-free measurements they take.
 
 ``BenchmarkMonitor`` measures per-rank training time and peak memory, gathers them once per epoch
 and writes ``benchmark.json`` into the run directory; see :mod:`callbacks.benchmark`.
 ``CollectiveCounter`` profiles every collective of each training micro-batch and attributes it to
-its source (Lightning, SyncBN, gradient buckets, DDP); see :mod:`callbacks.collective_count`.
+its source (Lightning, SyncBN, gradient buckets, DDP); see :mod:`callbacks.collective_counter`.
 ``PredictionWriter`` saves the outputs of ``trainer.predict`` (merged over ranks, or one file per
 rank) into the run directory; see :mod:`callbacks.prediction_writer`.
 ``RunHparams`` writes each run's hyperparameters (strategy and its options, world size, data used)
 as TensorBoard HPARAMS; see :mod:`callbacks.run_hparams`.
+
+The measurement modules (:mod:`~callbacks.timing`, :mod:`~callbacks.memory`, :mod:`~callbacks.stats`,
+:mod:`~callbacks.run_info`, :mod:`~callbacks.collective_count`) never import Lightning, and this
+package's ``__init__`` imports nothing: the callbacks above load (with Lightning) on first access,
+so ``import callbacks.stats`` stays Lightning-free (the benchmarks rely on it).
 """
 
-from callbacks.benchmark import BenchmarkMonitor
-from callbacks.collective_count import CollectiveCounter
-from callbacks.prediction_writer import PredictionWriter
-from callbacks.run_hparams import RunHparams
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["BenchmarkMonitor", "CollectiveCounter", "PredictionWriter", "RunHparams"]
+
+_HOMES = {"BenchmarkMonitor": "callbacks.benchmark", "CollectiveCounter": "callbacks.collective_counter",
+          "PredictionWriter": "callbacks.prediction_writer", "RunHparams": "callbacks.run_hparams"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -268,6 +268,7 @@ def _run_description(trainer: Trainer, pl_module: LightningModule, warmup_steps:
         "global_step": trainer.global_step,
         "dataset": _dataset_kind(trainer, pl_module),
         "warmup_steps": warmup_steps,
+        "intra_op_threads": torch.get_num_threads(),  # rank 0's; Lightning's launchers give every rank the same
         "memory_kind": memory.kind if memory is not None else None,
         "module": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
         "module_hparams": dict(pl_module.hparams),

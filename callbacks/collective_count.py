@@ -1,12 +1,12 @@
 """Count every collective a training run issues, per micro-batch and by source. Observation only.
 
-``CollectiveCounter`` (a Lightning callback) and ``count_collectives`` (a context manager, no
-Trainer needed) run ``torch.profiler`` (CPU activity, ``record_shapes=True``) and read the
-``c10d::`` dispatcher ops: every ``torch.distributed`` collective passes through one, whatever
-import path or backend issued it. The profiler's event tree (``experimental_event_tree``, marked
-experimental by torch; tested with 2.14) gives each op's callers (its enclosing profiler events)
-and its tensor arguments' shape and dtype, also for ``Tensor[]`` arguments, which the flat
-``FunctionEvent`` list leaves empty.
+``count_collectives`` (a context manager, no Trainer needed; this module never imports Lightning)
+and ``CollectiveCounter`` (the Lightning callback, :mod:`callbacks.collective_counter`) run
+``torch.profiler`` (CPU activity, ``record_shapes=True``) and read the ``c10d::`` dispatcher ops:
+every ``torch.distributed`` collective passes through one, whatever import path or backend issued it.
+The profiler's event tree (``experimental_event_tree``, marked experimental by torch; tested with
+2.14) gives each op's callers (its enclosing profiler events) and its tensor arguments' shape and
+dtype, also for ``Tensor[]`` arguments, which the flat ``FunctionEvent`` list leaves empty.
 
 Window of micro-batch k (the callback): from the end of ``on_train_batch_end`` of batch k-1 (of
 ``on_train_epoch_start`` for the first) to the end of ``on_train_batch_end`` of batch k. A marker
@@ -46,26 +46,22 @@ is wrapped or patched, and no collective is added.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Iterator
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from parallel.grad_sync import SyncedDataParallel
 
-__all__ = ["SOURCES", "Collective", "CollectiveCounter", "Window", "classify", "count_collectives"]
+__all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
 SOURCES = ("lightning_sigterm", "syncbn_forward", "syncbn_backward", "grad_buckets",
            "ddp_grad_buckets", "ddp_buffers", "ddp_bucket_rebuild", "other")
-_MARKER = "collective_count::on_train_batch_start"
+MARKER = "collective_count::on_train_batch_start"  # recorded by the callback at on_train_batch_start
 # c10d op (without "c10d::") -> (kind, index of the argument holding this rank's payload).
 _OPS = {
     "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
@@ -196,7 +192,7 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
     while stack:  # depth-first, children in order; a collective's own children are not visited
         event, ancestors = stack.pop()
         name = event.name
-        if name == _MARKER:
+        if name == MARKER:
             marker_ns = event.start_time_ns
         elif name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS:
             found.append((event.start_time_ns, event, ancestors))
@@ -213,7 +209,8 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
     return collectives
 
 
-def _profiler() -> profile:  # record_shapes: the tensor metadata of every op's arguments
+def profiler() -> profile:
+    """A CPU profiler with ``record_shapes``: the tensor metadata of every op's arguments."""
     return profile(activities=[ProfilerActivity.CPU], record_shapes=True)
 
 
@@ -231,76 +228,16 @@ def count_collectives(model: nn.Module | None = None) -> Iterator[list[Collectiv
         >>> Counter(c.source for c in collectives)  # doctest: +SKIP
     """
     collectives: list[Collective] = []
-    with _profiler() as prof:
+    with profiler() as prof:
         yield collectives
     collectives.extend(classify(prof, model))
 
 
-class CollectiveCounter(Callback):
-    """Record the collectives of every training micro-batch window, by source (module docstring).
+def __getattr__(name: str) -> Any:
+    # The Lightning callback lives in callbacks.collective_counter (it needs Lightning; this module
+    # does not); ``callbacks.collective_count.CollectiveCounter`` keeps working.
+    if name == "CollectiveCounter":
+        from callbacks.collective_counter import CollectiveCounter
 
-    Args:
-        out_dir: If given, each rank writes ``collectives_rank{R}.json`` (its windows) there at
-            the end of training.
-        max_batches: Stop profiling after this many micro-batch windows per fit (``None``: all).
-    """
-
-    def __init__(self, out_dir: str | Path | None = None, max_batches: int | None = None) -> None:
-        if max_batches is not None and max_batches < 1:
-            raise ValueError(f"max_batches={max_batches} must be >= 1, or None to profile every batch")
-        self.out_dir = None if out_dir is None else Path(out_dir)
-        self.max_batches = max_batches
-        self.windows: list[Window] = []
-        self._prof: profile | None = None
-
-    def batch_counts(self) -> list[dict[str, int]]:
-        """Counts by source of each micro-batch window, in order (the after-epoch windows left out)."""
-        return [w.counts() for w in self.windows if w.batch_idx is not None]
-
-    def _budget_left(self) -> bool:
-        done = sum(1 for w in self.windows if w.batch_idx is not None)
-        return self.max_batches is None or done < self.max_batches
-
-    def _start(self) -> None:
-        if self._budget_left():
-            self._prof = _profiler()
-            self._prof.__enter__()
-
-    def _stop(self, trainer: pl.Trainer, batch_idx: int | None, keep: bool = True) -> None:
-        prof, self._prof = self._prof, None
-        if prof is None:
-            return
-        prof.__exit__(None, None, None)
-        if keep:
-            collectives = classify(prof, trainer.strategy.model)
-            self.windows.append(Window(trainer.current_epoch, batch_idx, collectives))
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.windows = []
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        if self._prof is not None:
-            with record_function(_MARKER):
-                pass
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
-        self._stop(trainer, batch_idx)
-        self._start()
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop(trainer, None)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop(trainer, None, keep=False)
-        if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / f"collectives_rank{trainer.global_rank}.json"
-            path.write_text(json.dumps([w.to_dict() for w in self.windows]))
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop(trainer, None, keep=False)
+        return CollectiveCounter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

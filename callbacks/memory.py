@@ -19,16 +19,17 @@ import ctypes
 import math
 import os
 import threading
-from typing import Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
 
-__all__ = ["PeakMemory", "kernel_peak_rss_available", "return_freed_memory_above"]
+__all__ = ["PeakMemory", "kernel_peak_rss_available", "measure_peak", "return_freed_memory_above"]
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 CpuMethod = Literal["auto", "kernel", "sample"]
+_T = TypeVar("_T")
 
 
 def kernel_peak_rss_available() -> bool:
@@ -162,3 +163,13 @@ class PeakMemory:
                     "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(self._device))}
         peak = self._sampler.stop() if self._sampler is not None else _read_peak_rss_bytes()
         return {"peak_bytes": float(peak), "peak_reserved_bytes": math.nan}
+
+
+def measure_peak(fn: Callable[[], _T], device: Any = "cpu") -> tuple[_T, int]:
+    """``fn()`` and the memory it needed beyond what was in use before it, in bytes (a
+    :class:`PeakMemory` around one call: CPU peak RSS, CUDA allocator peak)."""
+    memory = PeakMemory(torch.device(device))
+    memory.start()
+    before = memory.current()
+    result = fn()
+    return result, int(memory.stop()["peak_bytes"] - before)

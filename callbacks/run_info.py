@@ -1,20 +1,27 @@
-"""What a benchmark number was measured on: hardware, software versions, run configuration.
+"""What a benchmark number was measured on: hardware, software versions, run configuration, and
+how busy the machine was meanwhile.
 
 Shared by the benchmark callback (written next to the numbers of every run) and by the
-comparison report's header, so both describe a machine the same way.
+benchmarks' records (:mod:`benchmarks.harness`), so both describe a machine the same way.
+Quietness: a number measured while the machine was busy (1-minute load above ``threshold``
+before the run, after waiting for it to calm down, or other processes taking more than
+``max_foreign_share`` of the machine during it) is not comparable. No Lightning import.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import platform
+import time
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import torch
 
-__all__ = ["environment", "strategy_options", "to_jsonable"]
+__all__ = ["Quietness", "environment", "strategy_options", "to_jsonable", "wait_for_quiet"]
 
 _PACKAGES = ("torch", "lightning", "torchvision", "torchmetrics", "numpy")
 
@@ -83,3 +90,98 @@ def to_jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # prctl option (linux/prctl.h)
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (``/proc/stat``), or ``None`` off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished (waited-for) children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of our process tree (Linux): a grandchild whose parent exits first (a
+    popen-launched rank 1 outliving rank 0) is re-parented to us, so its CPU time can be counted."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap_orphans() -> None:
+    """Wait for adopted processes that have exited: their CPU time joins ``os.times().children_*``."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+@dataclass
+class Quietness:
+    """How busy the machine was around a measurement, and whether the result is comparable.
+
+    The 1-minute load before the run must be at most ``threshold``; during the run, other
+    processes (busy CPU time of the machine minus this process tree's own) may use at most
+    ``max_foreign_share`` of the machine. The load after the run is recorded but not judged:
+    the benchmark's own processes raise it.
+    """
+
+    threshold: float
+    waited_s: float
+    load_before: float
+    max_foreign_share: float = 0.10
+    load_after: float | None = None
+    foreign_share: float | None = None
+    _start: tuple[float, float | None, float] | None = None
+
+    @property
+    def comparable(self) -> bool:
+        foreign_ok = self.foreign_share is None or self.foreign_share <= self.max_foreign_share
+        return self.load_before <= self.threshold and foreign_ok
+
+    def begin(self) -> "Quietness":
+        """Start accounting the CPU time of other processes; returns self."""
+        _adopt_orphans()
+        self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
+        return self
+
+    def finish(self) -> "Quietness":
+        """Record the load after the run and the share of the machine other processes used."""
+        self.load_after = os.getloadavg()[0]
+        _reap_orphans()
+        if self._start is not None and self._start[1] is not None:
+            wall, busy, own = time.monotonic() - self._start[0], _busy_cpu_seconds(), _own_cpu_seconds()
+            foreign = (busy or 0.0) - self._start[1] - (own - self._start[2])
+            self.foreign_share = max(0.0, foreign) / (wall * (os.cpu_count() or 1))
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "waited_s": self.waited_s, "load_before": self.load_before,
+                "load_after": self.load_after, "foreign_share": self.foreign_share,
+                "max_foreign_share": self.max_foreign_share, "comparable": self.comparable}
+
+
+def wait_for_quiet(threshold: float | None = None, max_wait_s: float = 300.0, poll_s: float = 5.0) -> Quietness:
+    """Wait until the 1-minute load is at most ``threshold`` (default: a quarter of the cores), up to
+    ``max_wait_s``; then start accounting other processes' CPU time (see :class:`Quietness`)."""
+    threshold = (os.cpu_count() or 1) / 4 if threshold is None else threshold
+    start = time.monotonic()
+    while os.getloadavg()[0] > threshold and time.monotonic() - start < max_wait_s:
+        time.sleep(poll_s)
+    return Quietness(threshold, time.monotonic() - start, os.getloadavg()[0]).begin()

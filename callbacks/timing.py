@@ -15,6 +15,10 @@ the Trainer's hooks. What each number covers:
   bookkeeping, summed per step. Validation that runs inside the epoch is subtracted.
 - **epoch**: from epoch start to the end of its last training batch, validation excluded.
 
+For the benchmarks, which time a call on every rank of a process group: :func:`aligned_seconds`
+(one call started right after a barrier) and :func:`slowest_rank` (a data-parallel step is as slow
+as its slowest rank, the rule the callback's cross-rank maximum follows too).
+
 On CUDA the device times come from CUDA events recorded on the current stream and are read
 once, with one ``synchronize``, when the epoch ends: no per-batch synchronisation perturbs the
 overlap of communication with backward. On CPU, ``time.perf_counter`` already measures the work.
@@ -24,11 +28,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["EpochTiming", "StepTimer"]
+__all__ = ["EpochTiming", "StepTimer", "aligned_seconds", "slowest_rank"]
 
 # The host clock, one name for every host-side reading (tests substitute a fake clock).
 _now = time.perf_counter
@@ -187,3 +192,27 @@ class StepTimer:
                 timing.data_wait_s.append(sum(b.data_wait_s for b in window))
                 timing.step_samples.append(sum(b.samples for b in window))
             window = []
+
+
+def aligned_seconds(fn: Callable[[], Any], device: Any = None) -> float:
+    """Seconds of one call of ``fn`` on this rank, started right after a barrier so all ranks start
+    together (CUDA: events around the call, after a synchronize)."""
+    if device is not None and torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    dist.barrier()
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
+
+
+def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per-iteration samples: the slowest rank's time of each barrier-aligned iteration (a
+    data-parallel step is as slow as its slowest rank)."""
+    return [max(iteration) for iteration in zip(*per_rank, strict=True)]

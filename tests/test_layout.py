@@ -37,10 +37,15 @@ def test_core_has_the_modules_the_readme_lists():
     ]
 
 
-@pytest.mark.parametrize("package", [parallel, collectives], ids=lambda p: p.__name__)
-def test_package_imports_without_lightning(package):
+# The measurement modules the callbacks and the benchmarks share.
+_MEASUREMENT = ["callbacks", "callbacks.timing", "callbacks.memory", "callbacks.stats", "callbacks.run_info",
+                "callbacks.collective_count"]
+
+
+@pytest.mark.parametrize("modules", [_modules(parallel), _modules(collectives), _MEASUREMENT],
+                         ids=["parallel", "collectives", "measurement"])
+def test_package_imports_without_lightning(modules):
     """Every module imports in a fresh interpreter where Lightning cannot be imported at all."""
-    modules = _modules(package)
     out = _run_fresh(f"""
         import sys
         for name in {_LIGHTNING_PACKAGES!r}:
@@ -60,3 +65,15 @@ def test_strategies_package_registers_custom_ddp():
         print(sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')))
     """)
     assert out.strip() == "['custom_ddp', 'custom_ddp_fork', 'custom_ddp_spawn']"
+
+
+def test_callbacks_load_lazily_by_their_public_names():
+    out = _run_fresh("""
+        import sys
+        import callbacks
+        before = 'lightning' in sys.modules
+        from callbacks import BenchmarkMonitor, CollectiveCounter
+        from callbacks.collective_count import CollectiveCounter as Same
+        print(before, BenchmarkMonitor.__module__, CollectiveCounter is Same)
+    """)
+    assert out.split() == ["False", "callbacks.benchmark", "True"]
