@@ -1,149 +1,228 @@
 """Compare the hand-written ``custom_ddp`` strategy with Lightning's ``ddp``: step time, accuracy, collectives.
 
-Run from the repository root, on a quiet machine (about 20 minutes on 2 CPU cores)::
+    python -m benchmarks.compare                              # about 20 minutes on 2 CPU cores
+    python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 4 minutes
 
-    python -m benchmarks.compare --out benchmarks/results/compare
-
-What it compares (variants in :mod:`benchmarks.compare_runs`): custom_ddp with SyncBatchNorm and
-with local BatchNorm, Lightning's ddp at its defaults and tuned, and one process at the same
-per-process batch (the no-communication reference). For every accumulation setting
-(``--accumulate``, default 1 2 4) each variant runs ``--rounds`` short timed fits, interleaved
-so that drifting load hits every variant alike; then custom_ddp and ddp_default train the full
-schedule once for accuracy, tested by one process. Step-time ratios, exposed communication and
-scaling efficiency carry bootstrap 95 % CIs (:mod:`benchmarks.compare_report`); the quietness
-record says whether the numbers are comparable at all (:mod:`benchmarks.harness`).
-
-Writes into ``--out``: ``results.json`` (the record, ``headline`` included), ``results.md``,
-``step_time.png``, ``curves.png``, the accuracy runs' TensorBoard logs under ``tb/`` and every
-run's console output under ``logs/``.
-
-Smoke run (a minute or two)::
-
-    python -m benchmarks.compare --out /tmp/compare --quick
+(2 rounds x 3 settings x 13 variants = 78 timed fits of 5-25 s, 9 collective counts of ~10 s, 2
+accuracy fits of ~1 minute, up to 5 minutes of waiting for a quiet machine.) On the template net
+and ResNet-18 (CIFAR stem), at accumulate 1, 2 and 4, each variant of :data:`VARIANTS` runs
+``--rounds`` short fits, interleaved so that drifting load hits all alike: fresh ``python train.py
+fit`` runs as a user types them, one epoch of warm-up + timed steps under ``BenchmarkMonitor``
+(kept: the slowest rank's time of every step, the run's intra-op threads). On CPU
+torch.nn.SyncBatchNorm cannot run, so ddp keeps local BatchNorm: custom_ddp (local BN) vs ddp tuned
+is the like-for-like comparison of the gradient sync. Then custom_ddp and ddp_default train the
+template net's full schedule on SYNTHETIC data (not CIFAR-100 accuracies), each tested by ONE
+process, and every 2-process variant's collectives per optimizer step are counted by source.
+Derived (:mod:`benchmarks.compare_report`), with bootstrap 95 % CIs: step-time ratios naming their
+anchor; the SyncBN share of the step, ``1 - step(local BN) / step(SyncBN)``; exposed
+communication, a 2-process step minus the 1-process step at the same per-process batch and each
+rank's thread count (``cores // 2`` via ``OMP_NUM_THREADS``, what Lightning gives each of 2
+processes); scaling efficiency, ``step(1 process) / step(2 processes)``, against that
+thread-matched process (what communication costs) and one on all cores (what a user would run).
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
-from dataclasses import asdict
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.compare_plots import plot_curves, plot_step_time
-from benchmarks.compare_report import analyse, headline, read_scalars, render_markdown
-from benchmarks.compare_runs import VARIANTS, CompareConfig, accuracy_run, collectives_run, timing_run
-from benchmarks.harness import interleave, make_record, wait_for_quiet, write_record
-
-__all__ = ["main", "parse_config"]
+from benchmarks import compare_report
+from benchmarks.harness import interleave, make_record, parse, parser, slowest_rank, wait_for_quiet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ACCURACY_VARIANTS = ("custom_ddp", "ddp_default")
-COUNTED_VARIANTS = ("custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned")
-_QUICK = {"accumulates": (2,), "rounds": 1, "steps": 3, "warmup_steps": 1, "accuracy_epochs": 1,
-          "synthetic_train_size": 640, "synthetic_test_size": 64, "count_nets": ("template",)}
+MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
+BASE_CONFIG = "configs/cifar100_template_net.yaml"
+_CUSTOM, _DDP = "strategies.custom_ddp.CustomDDPStrategy", "lightning.pytorch.strategies.DDPStrategy"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+@dataclass(frozen=True)
+class Variant:
+    """One compared configuration: a label, what it is, its ``train.py`` strategy flags, where it runs."""
+
+    label: str
+    description: str
+    flags: tuple[str, ...]
+    processes: int = 2
+    threads: int | None = None  # OMP_NUM_THREADS of the run; None: the launcher's or torch's default
+    nets: tuple[str, ...] = ("template", "resnet18")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/compare", help="results folder")
-    p.add_argument("--base-config", default="configs/cifar100_template_net.yaml")
-    p.add_argument("--net", default="template", help="template or resnet18")
-    p.add_argument("--accumulate", type=_positive, nargs="+", default=[1, 2, 4], dest="accumulates")
-    p.add_argument("--rounds", type=_positive, default=3, help="interleaved timed fits per variant and setting")
-    p.add_argument("--steps", type=_positive, default=16, help="timed optimizer steps per fit")
-    p.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps not timed")
-    p.add_argument("--accuracy-epochs", type=_positive, default=6)
-    p.add_argument("--batch-size", type=_positive, default=32, help="per process")
-    p.add_argument("--synthetic-train-size", type=_positive, default=6_000)
-    p.add_argument("--synthetic-test-size", type=_positive, default=1_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-timeout-s", type=float, default=1800.0)
-    p.add_argument("--max-wait-s", type=float, default=300.0, help="wait this long for a quiet machine")
-    p.add_argument("--count-nets", nargs="*", default=["template", "resnet18"],
-                   help="nets whose collectives per optimizer step are counted (at the largest --accumulate)")
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny data, one round, accumulate 2")
-    p.add_argument("--extra", action="append", default=[], metavar="FLAG",
-                   help="train.py flag for every run, e.g. --extra=--model.lr=0.02 (repeatable)")
-    return p
+def _flag(name: str, value: object) -> str:
+    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[CompareConfig, float]:
-    """Parse the command line (errors name the flag and the fix); returns the config and the quiet wait."""
-    parser = _parser()
-    args = vars(parser.parse_args(argv))
-    if args["warmup_steps"] < 0:
-        parser.error(f"--warmup-steps must be >= 0, got {args['warmup_steps']}")
-    if not (REPO_ROOT / args["base_config"]).is_file():
-        parser.error(f"--base-config {args['base_config']!r} not found under {REPO_ROOT}")
-    max_wait_s = args.pop("max_wait_s")
-    if args.pop("quick"):
-        args.update(_QUICK)
-    out = Path(args["out"]).resolve()  # relative to the repository root, where the runs start
-    args["out"] = str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out)
-    args["accumulates"], args["extra"] = tuple(sorted(set(args["accumulates"]))), tuple(args["extra"])
-    args["count_nets"] = tuple(args["count_nets"])
-    return CompareConfig(**args), max_wait_s
+def _strategy(path: str, **options: object) -> tuple[str, ...]:
+    return (_flag("trainer.strategy", path), *(_flag(f"trainer.strategy.{k}", v) for k, v in options.items()))
 
 
-def _timing(cfg: CompareConfig, out: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    timing: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for acc in cfg.accumulates:
-        runs = interleave(list(VARIANTS), cfg.rounds,
-                          lambda variant, _: timing_run(cfg, variant, acc, out / "work", out / "logs"))
-        timing[str(acc)] = runs
-    return timing
+VARIANTS: dict[str, Variant] = {
+    "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
+                          "sync (25 MiB buckets), no buffer broadcast", _strategy(_CUSTOM, sync_batchnorm=True)),
+    "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU",
+                                  _strategy(_CUSTOM, sync_batchnorm=False)),
+    "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: gradient_as_bucket_view=False, "
+                           "forward_sync_buffers=True (rank 0's BN buffers broadcast every forward)",
+                           _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True)),
+    "ddp_tuned": Variant("ddp tuned (local BN)", "gradient_as_bucket_view=True, forward_sync_buffers=False",
+                         _strategy(_DDP, gradient_as_bucket_view=True, forward_sync_buffers=False)),
+    "custom_ddp_bf16": Variant("custom_ddp (SyncBN), bf16 gradients", "grad_compression=bf16: buckets all-reduced "
+                               "in bfloat16", _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
+                               nets=("resnet18",)),
+    "single_matched": Variant(f"1 process, {MATCHED_THREADS} thread{'s' * (MATCHED_THREADS > 1)}", "thread-matched "
+                              "to each 2-process rank: no communication", _strategy("auto"), 1, MATCHED_THREADS),
+    "single": Variant("1 process, all cores", "torch's default threads: what a user of this machine would run "
+                      "instead", _strategy("auto"), 1),
+}
+# Per net: batch per process, warm-up and timed optimizer steps of a timing run. ResNet-18's CIFAR
+# stem keeps 32x32 maps in its first stage: ~0.2 s per 8-image micro-batch on one core.
+NETS = {"template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
+        "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 8}}
 
 
-def _accuracy(cfg: CompareConfig, out: Path, accumulate: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    numbers, curves = {}, {}
-    for variant in ACCURACY_VARIANTS:
-        run = accuracy_run(cfg, variant, accumulate, out / "tb", out / "logs")
-        curves[variant] = {**read_scalars(out / "tb" / variant / "fit"), **read_scalars(out / "tb" / variant / "test")}
-        last = {tag: series[-1][1] for tag, series in curves[variant].items()}
-        numbers[variant] = {"accumulate": accumulate, "test_acc1": 100 * last["test/acc1"],
-                            "test_loss": last["test/loss"], **run}
-    return numbers, curves
+def variants_for(net: str) -> list[str]:
+    """The variants timed on ``net``, in the interleaving order."""
+    return [name for name, variant in VARIANTS.items() if net in variant.nets]
 
 
-def _collectives(cfg: CompareConfig, out: Path) -> dict[str, Any]:
-    accumulate = max(cfg.accumulates)
-    return {"accumulate": accumulate,
-            "nets": {net: {variant: collectives_run(cfg, net, variant, accumulate, out / "work", out / "logs")
-                           for variant in COUNTED_VARIANTS} for net in cfg.count_nets}}
+def _call(command: list[str], log: Path, timeout_s: float, threads: int | None) -> float:
+    """Run ``command`` from the repository root, output to ``log``; raise with its tail on failure."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | (
+        {"OMP_NUM_THREADS": str(threads)} if threads else {})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("$ " + shlex.join(command) + "\n")
+    start = time.perf_counter()
+    with open(log, "a") as out:  # a run past ``timeout_s`` raises subprocess.TimeoutExpired, naming the command
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"run failed ({code}): {shlex.join(command)}\nlast lines of {log}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, flags: dict[str, object],
+         *callback: str) -> tuple[str, float]:
+    """``train.py fit`` of ``variant`` with the shared flags, ``flags`` and ``callback``; its command and wall time."""
+    v = VARIANTS[variant]
+    shared = {"config": BASE_CONFIG, "seed_everything": 0, "model.net": net, "data.dataset": "synthetic",
+              "data.batch_size": cfg["nets"][net]["batch_size"], "data.val_size": 0.1,
+              "data.synthetic_train_size": cfg["train_size"], "data.synthetic_test_size": cfg["test_size"],
+              "trainer.accelerator": "cpu", "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
+    kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
+    own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
+    command = [sys.executable, "train.py", "fit", *(_flag(k, x) for k, x in (shared | kwargs).items()), *v.flags,
+               *(_flag(k, x) for k, x in own.items()), *callback]
+    wall_s = _call(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], v.threads)
+    return shlex.join(command[1:]), wall_s
+
+
+def _short_fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, steps: int,
+               *callback: str) -> tuple[str, float, Path]:
+    """One epoch of ``steps`` optimizer steps (no validation, checkpoint or logger) in ``out/work/<name>``;
+    ``callback`` replaces the base config's (a checkpoint and an LR monitor need what is off here)."""
+    run_dir = Path(cfg["out"], "work", name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return *_fit(cfg, net, variant, accumulate, name, {
+        "trainer.max_epochs": 1, "trainer.limit_train_batches": accumulate * steps, "trainer.limit_val_batches": 0,
+        "trainer.num_sanity_val_steps": 0, "trainer.enable_checkpointing": False, "trainer.logger": False,
+        "trainer.default_root_dir": run_dir}, *callback), run_dir
+
+
+def timing_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
+    """One short timed fit: command, wall time, intra-op threads and per-step seconds (the slowest rank's)."""
+    setting = cfg["nets"][net]
+    command, wall_s, run_dir = _short_fit(
+        cfg, net, variant, accumulate, f"{net}_{variant}_acc{accumulate}", setting["warmup_steps"] + setting["steps"],
+        "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps",
+                                                                setting["warmup_steps"]))
+    report = json.loads((run_dir / "benchmark.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": command, "wall_s": wall_s, "threads": report["run"]["intra_op_threads"],
+            "step_s": slowest_rank(report["step_s_per_rank"]), "recorded": report["run"]}
+
+
+def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
+    """Rank 0's collectives and bytes by source in the last of 3 optimizer steps (its ``accumulate``
+    micro-batches, the loop's SIGTERM broadcasts included): exact, hardware-independent counts."""
+    name = f"{net}_{variant}_acc{accumulate}_collectives"
+    command, _, run_dir = _short_fit(cfg, net, variant, accumulate, name, 3, "--trainer.callbacks=callbacks.Collective"
+                                     "Counter", _flag("trainer.callbacks.out_dir", Path(cfg["out"], "work", name)))
+    windows = [w for w in json.loads((run_dir / "collectives_rank0.json").read_text()) if w["batch_idx"] is not None]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": command, **{key: dict(sum((Counter(w[key]) for w in windows[-accumulate:]), Counter()))
+                                   for key in ("counts", "bytes")}}
+
+
+def accuracy_run(cfg: dict[str, Any], variant: str, accumulate: int) -> dict[str, Any]:
+    """The template net's full schedule, TensorBoard logs under ``out/tb/<variant>``; then ONE process
+    tests its last checkpoint (no sampler padding, no strategy-specific evaluation path)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_cifar.data import CIFAR100DataModule
+    from lit_cifar.module import LitClassifier
+
+    tb_root = Path(cfg["out"], "tb")
+    shutil.rmtree(tb_root / variant, ignore_errors=True)
+    command, wall_s = _fit(cfg, "template", variant, accumulate, f"{variant}_accuracy", {
+        "trainer.max_epochs": cfg["accuracy_epochs"], "trainer.logger": "lightning.pytorch.loggers.TensorBoardLogger",
+        "trainer.logger.save_dir": tb_root, "trainer.logger.name": variant, "trainer.logger.version": "fit"})
+    checkpoint = tb_root / variant / "fit" / "checkpoints" / "last.ckpt"
+    trainer = Trainer(accelerator="cpu", devices=1, logger=TensorBoardLogger(tb_root, name=variant, version="test"),
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.test(LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu"),
+                 datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint), verbose=False)
+    shutil.rmtree(checkpoint.parent, ignore_errors=True)
+    return {"accumulate": accumulate, "command": command, "wall_s": wall_s}
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], float]:
+    """The runs' shared settings from the command line, and the quiet wait; ``--quick``: one round at
+    accumulate 2 of 1 + 3 steps, tiny data, one accuracy epoch."""
+    p = parser("compare", __doc__)
+    p.add_argument("--nets", nargs="+", choices=tuple(NETS), default=list(NETS))
+    p.add_argument("--accumulate", type=int, nargs="+", default=[1, 2, 4], dest="accumulates")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timed fits per variant and setting")
+    p.add_argument("--accuracy-epochs", type=int, default=6)
+    args = parse(p, argv)
+    if min(*args.accumulates, args.rounds, args.accuracy_epochs) < 1:
+        p.error(f"--accumulate, --rounds and --accuracy-epochs must be >= 1, got {args.accumulates}, {args.rounds}, "
+                f"{args.accuracy_epochs}")
+    quick = {"warmup_steps": 1, "steps": 3} if args.quick else {}
+    out = args.out.resolve()  # relative to the repository root, where the runs start
+    return {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
+            "nets": {net: NETS[net] | quick for net in args.nets}, "base_config": BASE_CONFIG,
+            "accumulates": [2] if args.quick else sorted(set(args.accumulates)), "rounds": 1 if args.quick else
+            args.rounds, "accuracy_epochs": 1 if args.quick else args.accuracy_epochs, "train_size": 640 if args.quick
+            else 6_000, "test_size": 64 if args.quick else 1_000, "run_timeout_s": 1800.0}, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the comparison and write its record and report; returns the record."""
     cfg, max_wait_s = parse_config(argv)
     os.chdir(REPO_ROOT)  # train.py, its data/ folder and the relative paths of the recorded commands
-    out = Path(cfg.out)
     quiet = wait_for_quiet(max_wait_s=max_wait_s)
-    timing = _timing(cfg, out)
-    accuracy, curves = _accuracy(cfg, out, accumulate=2 if 2 in cfg.accumulates else cfg.accumulates[0])
-    collectives = _collectives(cfg, out)
-    analysis = analyse(timing)
-    record = make_record("compare", asdict(cfg), quiet.finish(), argv=argv, headline=headline(analysis, accuracy),
-                         analysis=analysis, accuracy=accuracy, collectives=collectives,
-                         variants={k: asdict(v) for k, v in VARIANTS.items()},
-                         runs={acc: {v: [{"command": r["command"], "wall_s": r["wall_s"],
-                                          "recorded": r["benchmark"]["run"]} for r in runs]
-                                     for v, runs in by_variant.items()} for acc, by_variant in timing.items()})
-    write_record(out, record, render_markdown(record).splitlines())
-    plot_step_time(analysis, out / "step_time.png", record["quietness"]["comparable"])
-    plot_curves(curves, out / "curves.png")
+    timing = {net: {str(acc): interleave(variants_for(net), cfg["rounds"], lambda v, _: timing_run(cfg, net, v, acc))
+                    for acc in cfg["accumulates"]} for net in cfg["nets"]}
+    accumulate = 2 if 2 in cfg["accumulates"] else cfg["accumulates"][0]
+    accuracy = {variant: accuracy_run(cfg, variant, accumulate) for variant in ("custom_ddp", "ddp_default")}
+    counted = {net: {v: collectives_run(cfg, net, v, max(cfg["accumulates"])) for v in variants_for(net)
+                     if VARIANTS[v].processes > 1} for net in cfg["nets"]}
+    record = make_record("compare", cfg, quiet.finish(), argv=argv, timing=timing, accuracy=accuracy,
+                         collectives={"accumulate": max(cfg["accumulates"]), "nets": counted},
+                         variants={k: asdict(v) for k, v in VARIANTS.items()})
+    compare_report.write(record, Path(cfg["out"]))
+    print(f"report: {Path(cfg['out']) / 'results.md'}")
     return record
 
 
 if __name__ == "__main__":
-    result = main()
-    for name, value in result["headline"].items():
-        print(name, value)
-    print(f"report: {Path(result['config']['out']) / 'results.md'}")
+    main()

@@ -1,15 +1,5 @@
-"""Analysis and Markdown of the ``custom_ddp`` vs ``ddp`` comparison (intervals from :mod:`benchmarks.harness`).
-
-A data-parallel step is as slow as its slowest rank, so a step's time is the maximum over ranks
-of that step's time on each rank (``BenchmarkMonitor`` keeps every rank's raw step times); the
-steps of all rounds of a variant are pooled. Derived numbers, each with a bootstrap 95 % CI:
-
-- step-time ratios against named anchors (``ddp_default``, ``ddp_tuned``);
-- exposed communication: a 2-process variant's median step minus the 1-process median step at
-  the same per-process batch (what communication and waiting add, overlapped or not);
-- scaling efficiency: 2-process throughput / (2 x 1-process throughput), which at the same
-  per-process batch is ``step(1 process) / step(2 processes)``.
-"""
+"""Analysis, headline, report and plots of ``python -m benchmarks.compare`` (method and definitions: that
+module), from its record only."""
 
 from __future__ import annotations
 
@@ -17,131 +7,151 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from benchmarks.compare_runs import VARIANTS
 from benchmarks.harness import (
-    difference_ci, fmt_estimate, markdown_header, median_ci, ratio_ci, slowest_rank, table,
-)
+    difference_ci, fmt_bytes, fmt_value, headline_row, median_ci, plot_estimates, ratio_ci, report,
+    share_ci, table, write_record)
 
-__all__ = ["analyse", "read_scalars", "render_markdown", "step_samples"]
-
-CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")
-# (numerator, denominator): every headline ratio names its anchor.
+TITLE = "custom_ddp vs Lightning ddp, 2 CPU processes, synthetic data"
+CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")  # loss, acc
+# (numerator, denominator): every ratio names its anchor.
 RATIOS = (("custom_ddp", "ddp_default"), ("custom_ddp", "ddp_tuned"), ("custom_ddp_localbn", "ddp_tuned"),
-          ("custom_ddp", "custom_ddp_localbn"))
-TWO_PROCESS = ("custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned")
+          ("custom_ddp", "custom_ddp_localbn"), ("custom_ddp_bf16", "custom_ddp"))
+BASELINES = {"single_matched": "thread-matched", "single": "all cores"}
 
 
-def step_samples(runs: list[dict[str, Any]]) -> list[float]:
-    """Per-step times (max over ranks) of every round of one variant, pooled."""
-    return [step for run in runs for step in slowest_rank(run["benchmark"]["step_s_per_rank"])]
-
-
-def _estimate(e: Any) -> dict[str, float]:
-    return asdict(e)
-
-
-def analyse(timing: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
-    """Per accumulation setting: step medians, anchored ratios, exposed communication, scaling efficiency."""
-    analysis: dict[str, dict[str, Any]] = {}
-    for acc, by_variant in timing.items():
-        samples = {variant: step_samples(runs) for variant, runs in by_variant.items()}
-        row: dict[str, Any] = {"step_s": {v: _estimate(median_ci(s)) for v, s in samples.items()}}
-        row["ratios"] = {f"{a}/{b}": _estimate(ratio_ci(samples[a], samples[b]))
-                         for a, b in RATIOS if a in samples and b in samples}
-        if "single" in samples:
-            row["exposed_comm_s"] = {v: _estimate(difference_ci(samples[v], samples["single"]))
-                                     for v in TWO_PROCESS if v in samples}
-            row["scaling_efficiency"] = {v: _estimate(ratio_ci(samples["single"], samples[v]))
-                                         for v in TWO_PROCESS if v in samples}
-        analysis[acc] = row
+def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
+    """Per net and accumulation setting: step medians, threads, ratios, SyncBN share, exposed
+    communication (thread-matched) and scaling efficiency against each 1-process baseline."""
+    analysis: dict[str, Any] = {}
+    for net, by_acc in timing.items():
+        for acc, by_variant in by_acc.items():
+            samples = {v: [s for run in runs for s in run["step_s"]] for v, runs in by_variant.items()}
+            two = [v for v in samples if variants[v]["processes"] > 1]
+            row = {"step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
+                   "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
+                   "ratios": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in RATIOS
+                              if a in samples and b in samples},
+                   "exposed_comm_s": {v: asdict(difference_ci(samples[v], samples["single_matched"])) for v in two
+                                      if "single_matched" in samples},
+                   "scaling_efficiency": {b: {v: asdict(ratio_ci(samples[b], samples[v])) for v in two}
+                                          for b in BASELINES if b in samples}}
+            if {"custom_ddp", "custom_ddp_localbn"} <= set(samples):
+                row["syncbn_share"] = asdict(share_ci(samples["custom_ddp_localbn"], samples["custom_ddp"]))
+            analysis.setdefault(net, {})[acc] = row
     return analysis
+
+
+def _analysis(record: dict[str, Any]) -> dict[str, Any]:
+    """The analysis by net; a record from before issue 16 (one net, one 1-process baseline at torch's
+    default threads, whose exposed communication was not thread-matched) in today's layout."""
+    analysis = record["analysis"]
+    if "step_s" not in next(iter(analysis.values()), {}):
+        return analysis
+    return {record["config"]["net"]: {acc: {**row, "exposed_comm_s": {},
+                                            "scaling_efficiency": {"single": row.get("scaling_efficiency", {})}}
+                                      for acc, row in analysis.items()}}
+
+
+def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per net, one row per quantity with its value at every accumulation setting; bf16; accuracy."""
+    rows, label = [], lambda v: record["variants"].get(v, {}).get("label", v)  # noqa: E731
+    for net, by_acc in _analysis(record).items():
+        at = f"{net} net, accumulate {' / '.join(by_acc)}"
+
+        def add(what: str, get: Any, unit: str = "") -> None:
+            values = [get(row) for row in by_acc.values()]
+            if any(v is not None for v in values):
+                rows.append(headline_row(f"{what}, {at}", values, unit))
+
+        for a, b in RATIOS[:1] + RATIOS[2:3] + RATIOS[4:]:  # vs ddp default, like for like, bf16 vs fp32
+            add(f"{label(a)} / {label(b)}: step time", lambda r: r["ratios"].get(f"{a}/{b}"), "x")
+        add("SyncBN share of the custom_ddp step (1 - local BN / SyncBN)", lambda r: r.get("syncbn_share"), "%")
+        add("custom_ddp (SyncBN): exposed communication vs 1 process, thread-matched",
+            lambda r: r["exposed_comm_s"].get("custom_ddp"), "s")
+        for base, kind in BASELINES.items():
+            add(f"custom_ddp (SyncBN): scaling efficiency vs 1 process, {kind}",
+                lambda r: r["scaling_efficiency"].get(base, {}).get("custom_ddp"))
+    counted = record.get("collectives") or {"nets": {}}
+    for net, runs in counted["nets"].items():
+        if "custom_ddp_bf16" in runs:
+            fp32, bf16 = (runs[v]["bytes"].get("grad_buckets", 0) for v in ("custom_ddp", "custom_ddp_bf16"))
+            rows.append(headline_row(f"custom_ddp gradient all-reduce bytes per optimizer step, fp32 -> bf16, {net} "
+                                     f"net, accumulate {counted['accumulate']}",
+                                     f"{fmt_bytes(fp32)} -> {fmt_bytes(bf16)} ({bf16 / fp32:.3g}x)"))
+    return rows + [headline_row(f"final test top-1 (%), {label(v)}, template net", a.get("test_acc1"))
+                   for v, a in record["accuracy"].items()]
 
 
 def read_scalars(log_dir: Path, tags: tuple[str, ...] = CURVES) -> dict[str, list[tuple[int, float]]]:
     """``(step, value)`` series of the wanted TensorBoard tags found in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
     present = set(events.Tags()["scalars"])
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag in present}
 
 
-def headline(analysis: dict[str, dict[str, Any]], accuracy: dict[str, Any]) -> dict[str, Any]:
-    """The flat numbers the README quotes (generated from this record, never typed by hand)."""
-    out: dict[str, Any] = {}
-    for acc, row in analysis.items():
-        for name, estimate in row["ratios"].items():
-            out[f"step_ratio_{name.replace('/', '_vs_')}_acc{acc}"] = estimate
-        for variant, estimate in row.get("scaling_efficiency", {}).items():
-            out[f"scaling_efficiency_{variant}_acc{acc}"] = estimate
-    for variant, numbers in accuracy.items():
-        out[f"test_acc1_{variant}"] = numbers.get("test_acc1")
-    return out
-
-
-def _ms(e: dict[str, float]) -> str:
-    return fmt_estimate(e, scale=1e3, digits=1)
-
-
-def _timing_tables(analysis: dict[str, dict[str, Any]]) -> list[str]:
-    lines = []
-    for acc, row in analysis.items():
-        rows = []
-        for variant, step in row["step_s"].items():
-            exposed = row.get("exposed_comm_s", {}).get(variant)
-            efficiency = row.get("scaling_efficiency", {}).get(variant)
-            rows.append([VARIANTS[variant].label, _ms(step), step["n"], _ms(exposed) if exposed else "–",
-                         fmt_estimate(efficiency) if efficiency else "–"])
-        lines += [f"### accumulate {acc}", "",
-                  *table(["variant", "step (ms)", "steps", "exposed comm. (ms)", "scaling efficiency"], rows), "",
-                  *table(["ratio of median step times", "value [95 % CI]"],
-                         [[name, fmt_estimate(e)] for name, e in row["ratios"].items()]), ""]
+def _tables(record: dict[str, Any]) -> list[str]:
+    """Step time per net and setting; then the collectives per optimizer step by source."""
+    lines, label, collectives = [], lambda v: record["variants"][v]["label"], record["collectives"]  # noqa: E731
+    for net, by_acc in record["analysis"].items():
+        for acc, row in by_acc.items():
+            cells = [[label(v), ", ".join(map(str, row["threads"][v])), fmt_value(step, "s"), step["n"],
+                      fmt_value(row["exposed_comm_s"].get(v), "s"),
+                      *(fmt_value(row["scaling_efficiency"].get(b, {}).get(v)) for b in BASELINES)]
+                     for v, step in row["step_s"].items()]
+            lines += [f"### {net} net (batch {record['config']['nets'][net]['batch_size']} per process), accumulate "
+                      f"{acc}", "", *table(["variant", "threads", "step", "steps", "exposed comm. vs 1 process, "
+                                            "thread-matched", *(f"scaling eff. vs 1 process, {k}" for k in
+                                                                BASELINES.values())], cells), "",
+                      *table(["ratio of median step times", "value [95 % CI]"],
+                             [[k, fmt_value(e)] for k, e in row["ratios"].items()]), "",
+                      f"SyncBN share of the custom_ddp step: {fmt_value(row.get('syncbn_share'), '%')}.", ""]
+    lines += [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
+              "Counted by the profiler on rank 0 (`callbacks.collective_count`), the last of 3 steps; bytes are this "
+              "rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every strategy.", ""]
+    for net, runs in collectives["nets"].items():
+        sources = sorted({s for run in runs.values() for s in run["counts"]})
+        cells = [[source, *(f"{run['counts'].get(source, 0)} / {fmt_bytes(run['bytes'].get(source, 0))}"
+                            for run in runs.values())] for source in sources]
+        cells.append(["**total**", *(f"{sum(run['counts'].values())} / {fmt_bytes(sum(run['bytes'].values()))}"
+                                     for run in runs.values())])
+        lines += [f"### {net}", "", *table(["source", *map(label, runs)], cells), ""]
     return lines
 
 
-def render_markdown(record: dict[str, Any]) -> str:
-    """The whole report; ``record`` is what :mod:`benchmarks.compare` saves as ``results.json``."""
-    cfg = record["config"]
-    lines = markdown_header(record, f"custom_ddp vs Lightning ddp: {cfg['net']} net, SYNTHETIC data, 2 CPU processes")
-    lines += ["Synthetic stand-in data (official CIFAR-100 layout, not CIFAR-100): accuracies are not CIFAR-100 "
-              "results. On CPU torch.nn.SyncBatchNorm cannot run, so every ddp variant uses LOCAL BatchNorm; "
-              "`custom_ddp (local BN)` vs `ddp tuned` is the like-for-like comparison of the gradient sync, and "
-              "`custom_ddp / custom_ddp_localbn` is what synchronising BatchNorm costs.", "",
-              "## Variants", "", *[f"- **{v.label}** (`{k}`): {v.description}" for k, v in VARIANTS.items()],
-              "", f"Timing: {cfg['rounds']} interleaved rounds per setting, each a fresh `train.py fit` of "
-              f"{cfg['warmup_steps']} warm-up + {cfg['steps']} timed optimizer steps (batch {cfg['batch_size']} per "
-              "process); a step's time is the max over ranks; data loading excluded.", "",
-              "## Step time", "", *_timing_tables(record["analysis"])]
-    lines += ["## Accuracy (same seed, data and schedule)", "",
-              *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
-                     [[VARIANTS[v].label, cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
-                       f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
-              "![step time](step_time.png)", "", "![curves](curves.png)", "",
-              f"TensorBoard, the accuracy runs side by side: `tensorboard --logdir {cfg['out']}/tb`", ""]
-    if record.get("collectives"):
-        lines += _collective_tables(record["collectives"])
-    return "\n".join(lines) + "\n"
-
-
-def _collective_tables(collectives: dict[str, Any]) -> list[str]:
-    """Count and bytes per optimizer step by source, per net: exact, whatever the machine."""
-    lines = [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
-             "Counted by the profiler on rank 0 (`callbacks.collective_count`), the last of 3 steps; bytes are "
-             "this rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every "
-             "strategy.", ""]
-    for net, by_variant in collectives["nets"].items():
-        sources = sorted({s for run in by_variant.values() for s in run["counts"]})
-        rows = [[source, *(f"{run['counts'].get(source, 0)} / {_bytes(run['bytes'].get(source, 0))}"
-                           for run in by_variant.values())] for source in sources]
-        rows.append(["**total**", *(f"{sum(run['counts'].values())} / {_bytes(sum(run['bytes'].values()))}"
-                                    for run in by_variant.values())])
-        lines += [f"### {net}", "", *table(["source", *(VARIANTS[v].label for v in by_variant)], rows), ""]
-    return lines
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+def write(record: dict[str, Any], out: Path) -> None:
+    """Read the accuracy runs' logs under ``out/tb``, analyse, write results.json/.md and the plots."""
+    cfg, variants = record["config"], record["variants"]
+    curves = {v: {**read_scalars(out / "tb" / v / "fit"), **read_scalars(out / "tb" / v / "test")}
+              for v in record["accuracy"]}
+    for v, series in curves.items():
+        record["accuracy"][v] |= {"test_acc1": 100 * series["test/acc1"][-1][1],
+                                  "test_loss": series["test/loss"][-1][1]}
+    record["analysis"] = analyse(record["timing"], variants)
+    record["headline"] = headline(record)
+    body = ["## Variants", "", *[f"- **{v['label']}** (`{k}`): {v['description']}" for k, v in variants.items()], "",
+            f"Timing: {cfg['rounds']} rounds per setting; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}.",
+            "",
+            "## Step time", "", *_tables(record), "## Accuracy (same seed, data and schedule; SYNTHETIC data)", "",
+            *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
+                   [[variants[v]["label"], cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
+                     f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
+            f"![step time](step_time.png) ![curves](curves.png) `tensorboard --logdir {cfg['out']}/tb` shows the "
+            "accuracy runs side by side."]
+    write_record(out, record, report(record, TITLE, body))
+    panels = [{"title": f"{net} net", "ylabel": "optimizer step, ms (median)", "scale": 1e3,
+               "groups": [f"accumulate {acc}" for acc in by_acc],
+               "series": {v["label"]: [row["step_s"].get(k) for row in by_acc.values()] for k, v in variants.items()}}
+              for net, by_acc in record["analysis"].items()]
+    plot_estimates(out / "step_time.png", panels, "step time; 2 CPU processes, ddp with local BN on CPU",
+                   record["quietness"]["comparable"])
+    epochs = max((len(series.get("val/loss", [])) for series in curves.values()), default=1)
+    panels = [{"title": f"{title}: SYNTHETIC stand-in data, not CIFAR-100", "ylabel": title, "scale": scale,
+               "groups": [f"epoch {e}" for e in range(1, epochs + 1)],
+               "series": {f"{variants[v]['label']} {tag.split('/')[0]}": [None] * (epochs - len(points)) + [
+                   value for _, value in points] for v, series in curves.items() for tag in tags
+                   for points in [series.get(tag, [])]}}
+              for title, scale, tags in (("loss", 1.0, CURVES[0::2]), ("top-1 accuracy (%)", 100.0, CURVES[1::2]))]
+    plot_estimates(out / "curves.png", panels, "accuracy runs (last epoch: the one-process test)")

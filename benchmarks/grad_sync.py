@@ -1,50 +1,26 @@
 """Gradient synchronisation benchmark: SyncedDataParallel's modes against torch DDP, plus ZeRO-1.
 
-Usage (from the repository root)::
+    python -m benchmarks.grad_sync                                # about 12 minutes on 2 cores
+    python -m benchmarks.grad_sync --quick --out /tmp/grad_sync   # smoke run
 
-    python -m benchmarks.grad_sync --out benchmarks/results/grad_sync          # full run
-    python -m benchmarks.grad_sync --out /tmp/grad_sync --quick                # smoke run
-
-Two ranks (gloo on CPU, one intra-op thread each) train a deep MLP and a CIFAR-sized ResNet-18
-(SGD with momentum, one fixed batch per rank). Variants: the four SyncedDataParallel modes,
-``bucketed`` at caps of 1-1000 MiB, bf16 wire compression and ZeRO-1, against two torch DDP
-anchors that every ratio names:
-
-- ``ddp_default``: DDP as users get it (``gradient_as_bucket_view=False``, buffers broadcast
-  before every forward).
-- ``ddp_tuned``: ``gradient_as_bucket_view=True, forward_sync_buffers=False`` (torch >= 2.13's
-  name for ``broadcast_buffers=False``). SyncedDataParallel broadcasts buffers only at
-  construction, so this is the like-for-like anchor.
-
-Timing (:mod:`benchmarks.harness`): every round starts each variant in fresh processes, in the
-order the harness's ``interleave`` alternates, so load drift hits all variants alike. Before each
-step the ranks meet at a barrier; the step's time is the slower rank's. Medians carry bootstrap
-95 % intervals, ratios to an anchor carry the interval of the ratio of medians.
-
-Exposed communication = step time minus the ``no_comm`` step time. ``no_comm`` runs the same
-model, batch and SyncedDataParallel (``bucketed``) on the same two ranks, with every backward
-inside ``no_sync()``: no collective at all. Two ranks rather than one, because the two processes
-share the machine's cores and memory bandwidth; one rank alone would get a quieter machine and
-overstate what communication costs. The difference is not clipped: a value below zero is noise.
-It also charges communication for the compute it slows down (gloo reduces on the same cores that
-run backward), which ``finish()`` wait time cannot see; that wait is kept only as a diagnostic.
-
-Untimed, per variant: peak RSS above the built model (callbacks/memory.py PeakMemory, with freed
-memory returned to the kernel) over a few steps, then one step under torch.profiler counting
-``c10d::`` collectives and the bytes gloo moved (exact, hardware-independent). ZeRO-1: AdamW state
-bytes per rank, sharded vs unsharded, at 2 and 4 ranks. Output: ``results.json`` (with a flat
-``headline`` dict), ``results.md`` and ``grad_sync.png`` (see :mod:`benchmarks.grad_sync_report`).
+Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (SGD, momentum, a
+fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, bf16 wire
+compression and ZeRO-1, against the anchors every ratio names, ``ddp_default`` (buffers broadcast
+every forward) and ``ddp_tuned`` (``gradient_as_bucket_view=True, forward_sync_buffers=False``).
+``no_comm`` (the same wrapper, same two ranks, inside ``no_sync()``: thread-matched, sharing the
+cores) is the baseline of exposed communication = step - no_comm step, which also charges the
+compute gloo's reductions slow down (the ``finish()`` wait is a diagnostic only);
+``single_all_cores`` (one process, every core, one rank's batch) is what a user would run instead:
+speed-up = 2 x its step / step. Fresh processes per variant and round, interleaved; a step starts
+after a barrier and takes the slower rank's time. Untimed: peak memory over building and a few
+steps, one step's collectives by source, ZeRO-1's AdamW state per rank at 2 and 4 ranks.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,81 +29,63 @@ import torchvision
 from torch import nn
 
 from benchmarks import grad_sync_report
-from benchmarks.harness import interleave, make_record, slowest_rank, wait_for_quiet
-from callbacks.memory import PeakMemory, return_freed_memory_above
+from benchmarks.harness import interleave, make_record, measure_peak, parse, parser, slowest_rank, wait_for_quiet
+from callbacks.collective_count import Window, count_collectives
+from callbacks.memory import return_freed_memory_above
 from collectives.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
 
 WORLD_SIZE = 2
-_MiB = 2**20
-NO_COMM = "no_comm"
-DDP_DEFAULT = {"gradient_as_bucket_view": False}  # everything else: torch's defaults
-DDP_TUNED = {"gradient_as_bucket_view": True, "forward_sync_buffers": False}
+NO_COMM, SINGLE = "no_comm", "single_all_cores"
 _DDP_SETTINGS = ("bucket_bytes_cap", "gradient_as_bucket_view", "forward_sync_buffers")
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    NO_COMM: ("sdp", {"mode": "bucketed"}),  # trained inside no_sync(): see the docstring
-    "per_param": ("sdp", {"mode": "per_param"}),
-    "flat": ("sdp", {"mode": "flat"}),
-    "per_param_overlap": ("sdp", {"mode": "per_param_overlap"}),
-    **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap})
-       for cap in (1, 10, 25, 100, 1000)},
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "zero1": the sharded optimizer)
+    NO_COMM: ("sdp", {"mode": "bucketed"}), SINGLE: ("single", {}),
+    **{mode: ("sdp", {"mode": mode}) for mode in ("per_param", "flat", "per_param_overlap")},
+    **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap}) for cap in (1, 10, 25, 100, 1000)},
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
-    "ddp_default": ("ddp", DDP_DEFAULT),
-    "ddp_tuned": ("ddp", DDP_TUNED),
+    "ddp_default": ("ddp", {"gradient_as_bucket_view": False}),  # everything else: torch's defaults
+    "ddp_tuned": ("ddp", {"gradient_as_bucket_view": True, "forward_sync_buffers": False}),
 }
-# Per-step samples pool over rounds; several rounds (fresh processes each) put run-to-run
-# spread into the intervals, which matters more here than more steps per run.
+REQUIRED = [NO_COMM, SINGLE, "ddp_tuned", "ddp_default"]  # every exposure, speed-up and ratio needs them
+# Several rounds (fresh processes each) put run-to-run spread into the intervals.
 FULL = {"mlp_width": 1024, "mlp_depth": 16, "mlp_batch": 64, "resnet_batch": 32,
         "warmup": 2, "steps": 8, "rounds": 5, "probe_steps": 3}
 QUICK = {"mlp_width": 128, "mlp_depth": 4, "mlp_batch": 8, "resnet_batch": 2,
          "warmup": 1, "steps": 2, "rounds": 2, "probe_steps": 2}
-# --quick: every mode, both anchors, compression, ZeRO-1 and two caps (the other caps add no code path).
-QUICK_VARIANTS = [NO_COMM, "ddp_tuned", "ddp_default", "per_param", "flat", "per_param_overlap",
-                  "bucketed_1mb", "bucketed_25mb", "bucketed_25mb_bf16", "bucketed_25mb_zero1"]
-_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8,
-                "int": 4, "unsigned char": 1, "bool": 1}
 
 
 def build_model(name: str, cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The network and one fixed (input, target) batch."""
+    """The network (``mlp`` or ``resnet18``) and one fixed (input, target) batch."""
+    width = cfg["mlp_width"]
     if name == "mlp":
-        width, depth = cfg["mlp_width"], cfg["mlp_depth"]
-        layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+        layers = [m for _ in range(cfg["mlp_depth"]) for m in (nn.Linear(width, width), nn.ReLU())]
         net, x = nn.Sequential(*layers, nn.Linear(width, 100)), torch.randn(cfg["mlp_batch"], width)
-    elif name == "resnet18":
-        net = torchvision.models.resnet18(num_classes=100)
-        x = torch.randn(cfg["resnet_batch"], 3, 32, 32)
     else:
-        raise ValueError(f"unknown model {name!r}; choose 'mlp' or 'resnet18'")
+        net, x = torchvision.models.resnet18(num_classes=100), torch.randn(cfg["resnet_batch"], 3, 32, 32)
     return net, x, torch.randint(0, 100, (x.shape[0],))
 
 
 def _setup(rank: int, model_name: str, variant: str, cfg: dict[str, Any]) -> tuple[Any, ...]:
-    """Identical weights on every rank, different data per rank, the variant's wrapper."""
+    """Identical weights on every rank, different data per rank, the variant's wrapper and optimizer."""
     torch.manual_seed(0)
     net, x, y = build_model(model_name, cfg)
     torch.manual_seed(rank)
-    x, y = torch.randn_like(x), torch.randint(0, 100, y.shape)
     kind, options = VARIANTS[variant]
-    options = dict(options)
-    zero1 = options.pop("zero1", False)
-    model = SyncedDataParallel(net, **options) if kind == "sdp" else \
-        nn.parallel.DistributedDataParallel(net, **options)
+    wrap = {"sdp": SyncedDataParallel, "ddp": nn.parallel.DistributedDataParallel, "single": lambda m: m}[kind]
     sgd = {"lr": 0.01, "momentum": 0.9}
-    optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd) if zero1 else \
+    optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd) if options.get("zero1") else \
         torch.optim.SGD(net.parameters(), **sgd)
-    return model, optimizer, x, y
+    model = wrap(net, **{k: v for k, v in options.items() if k != "zero1"})
+    return model, optimizer, torch.randn_like(x), torch.randint(0, 100, y.shape)
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                 y: torch.Tensor, variant: str) -> tuple[float, float]:
     """One step's seconds, and the seconds spent in ``finish()`` (SyncedDataParallel only)."""
-    local: contextlib.AbstractContextManager[Any] = (
-        model.no_sync() if variant == NO_COMM else contextlib.nullcontext())
     start = time.perf_counter()
-    with local:
+    with model.no_sync() if variant == NO_COMM else contextlib.nullcontext():
         nn.functional.cross_entropy(model(x), y).backward()
     backward_done = time.perf_counter()
     if isinstance(model, SyncedDataParallel):
@@ -138,62 +96,33 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return time.perf_counter() - start, finish_s
 
 
-def step_worker(rank: int, world_size: int, model_name: str, variant: str,
-                cfg: dict[str, Any]) -> dict[str, list[float]]:
-    """This rank's per-step seconds and ``finish()`` seconds after the warm-up steps."""
+def step_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """This rank's per-step and ``finish()`` seconds after the warm-up, and its intra-op threads."""
     model, optimizer, x, y = _setup(rank, model_name, variant, cfg)
-    steps, finishes = [], []
-    for i in range(cfg["warmup"] + cfg["steps"]):
+    times = []
+    for _ in range(cfg["warmup"] + cfg["steps"]):
         dist.barrier()  # every step starts together, so the slower rank's time is the step's
-        step_s, finish_s = _train_step(model, optimizer, x, y, variant)
-        if i >= cfg["warmup"]:
-            steps.append(step_s)
-            finishes.append(finish_s)
-    return {"step_s": steps, "finish_s": finishes}
+        times.append(_train_step(model, optimizer, x, y, variant))
+    steps, finishes = zip(*times[cfg["warmup"]:])
+    return {"step_s": list(steps), "finish_s": list(finishes), "threads": torch.get_num_threads()}
 
 
-def count_collectives(events: Any) -> dict[str, dict[str, float]]:
-    """Per collective (``allreduce``, ``broadcast``...): calls and bytes, from raw profiler events.
-
-    Calls are the dispatcher's ``c10d::<op>_`` events (whoever issued them: our engine or DDP's
-    C++ reducer); bytes come from gloo's own ``gloo:<op>`` events, which carry shape and dtype.
-    ``events`` are kineto's raw events (``name()``, ``shapes()``, ``dtypes()``): the public
-    ``profile.events()`` first builds the whole op tree, about a second per ResNet-18 step.
-    """
-    counts: dict[str, dict[str, float]] = {}
-    for event in events:
-        prefix, _, op = event.name().rpartition(":")
-        if prefix not in ("c10d:", "gloo"):
-            continue
-        entry = counts.setdefault(op.replace("_", ""), {"count": 0, "bytes": 0})
-        if prefix == "c10d:":
-            entry["count"] += 1
-            continue
-        for shape, dtype in zip(event.shapes(), event.dtypes()):
-            entry["bytes"] += _DTYPE_BYTES.get(dtype, float("nan")) * math.prod(shape)
-    return counts
-
-
-def probe_worker(rank: int, world_size: int, model_name: str, variant: str,
-                 cfg: dict[str, Any]) -> dict[str, Any]:
-    """Untimed: peak RSS over wrapping and a few steps, then one profiled step's collectives."""
-    from torch.profiler import ProfilerActivity, profile
-
+def probe_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Untimed: peak memory over wrapping and a few steps, then one step's collectives by source."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # silence kineto's "no GPU" error lines
-    return_freed_memory_above(_MiB)  # freed transients must leave the RSS (see the helper)
-    memory = PeakMemory(torch.device("cpu"))
-    memory.start()
-    baseline = memory.stop()["peak_bytes"]
-    memory.start()
-    model, optimizer, x, y = _setup(rank, model_name, variant, cfg)
-    for _ in range(cfg["probe_steps"]):  # DDP rebuilds its buckets after the first step
+    return_freed_memory_above(2**20)  # freed transients must leave the RSS (see the helper)
+
+    def build_and_train() -> tuple[Any, ...]:
+        built = _setup(rank, model_name, variant, cfg)
+        for _ in range(cfg["probe_steps"]):  # DDP rebuilds its buckets after the first step
+            _train_step(*built, variant)
+        return built
+
+    (model, optimizer, x, y), peak = measure_peak(build_and_train)
+    with count_collectives(None if VARIANTS[variant][0] == "single" else model) as collectives:
         _train_step(model, optimizer, x, y, variant)
-    peak = memory.stop()["peak_bytes"] - baseline
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        _train_step(model, optimizer, x, y, variant)
-    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    collectives = count_collectives(prof.profiler.kineto_results.events())
-    return {"peak_bytes": int(peak), "collectives": collectives,
+    window, ddp = Window(0, 0, collectives), isinstance(model, nn.parallel.DistributedDataParallel)
+    return {"peak_bytes": peak, "collectives": {"counts": window.counts(), "bytes": window.bytes()},
             "buckets": len(model.buckets) if isinstance(model, SyncedDataParallel) else None,
             "ddp_settings": {k: getattr(model, k, None) for k in _DDP_SETTINGS} if ddp else None}
 
@@ -203,104 +132,64 @@ def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict[str, Any]
     torch.manual_seed(0)
     net, x, y = build_model(model_name, cfg)
     out = {"param_bytes": sum(p.numel() * p.element_size() for p in net.parameters())}
-    for name, optimizer in (
-        ("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
-        ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)),
-    ):
+    for name, optimizer in (("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
+                            ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3))):
         nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
         net.zero_grad(set_to_none=True)
-        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        out[name] = sum(v.numel() * v.element_size() for v in state)
+        out[name] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                        if torch.is_tensor(v))
     return out
 
 
-class _Runner:
-    """Launches one fresh 2-rank group per call, each with its own rendezvous file."""
-
-    def __init__(self, tmp: Path) -> None:
-        self._tmp, self._calls = tmp, 0
-
-    def __call__(self, fn: Any, args: tuple[Any, ...], world_size: int = WORLD_SIZE) -> list[Any]:
-        self._calls += 1
-        return run_workers(fn, world_size, args=args, init_file=self._tmp / f"store_{self._calls}",
-                           timeout_s=600)
+def _run(fn: Any, variant: str | None, *args: Any, world_size: int = WORLD_SIZE) -> list[Any]:
+    """One fresh process group per call: ``single_all_cores`` is one rank on every core, the rest 2
+    ranks of one intra-op thread each."""
+    single = variant is not None and VARIANTS[variant][0] == "single"
+    return run_workers(fn, 1 if single else world_size, args=args if variant is None else (args[0], variant, *args[1:]),
+                       timeout_s=600, threads=(os.cpu_count() or 1) if single else 1)
 
 
-def measure_model(run: _Runner, model_name: str, variants: list[str],
-                  cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def measure_model(model_name: str, variants: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     """Interleaved timed rounds, then one untimed probe, for every variant of one model."""
 
-    def timed(variant: str, round_index: int) -> dict[str, list[float]]:
-        per_rank = run(step_worker, (model_name, variant, cfg))
-        merged = {key: slowest_rank([r[key] for r in per_rank])
-                  for key in ("step_s", "finish_s")}
-        median_ms = sorted(merged["step_s"])[len(merged["step_s"]) // 2] * 1e3
-        print(f"round {round_index} {model_name:8s} {variant:22s} {median_ms:8.1f} ms", flush=True)
-        return merged
+    def timed(variant: str, round_index: int) -> dict[str, Any]:
+        per_rank = _run(step_worker, variant, model_name, cfg)
+        merged = {key: slowest_rank([r[key] for r in per_rank]) for key in ("step_s", "finish_s")}
+        print(f"round {round_index} {model_name:8s} {variant:22s} {1e3 * min(merged['step_s']):8.1f} ms", flush=True)
+        return merged | {"threads": per_rank[0]["threads"]}
 
     rounds = interleave(variants, cfg["rounds"], timed)
     out = {}
     for variant in variants:
-        probes = run(probe_worker, (model_name, variant, cfg))
-        out[variant] = {**probes[0], "peak_bytes": max(p["peak_bytes"] for p in probes),
-                        "step_s_by_round": [r["step_s"] for r in rounds[variant]],
-                        "finish_s_by_round": [r["finish_s"] for r in rounds[variant]]}
+        probes = _run(probe_worker, variant, model_name, cfg)
+        out[variant] = {**probes[0], "peak_bytes": max(p["peak_bytes"] for p in probes), "ranks": len(probes),
+                        "threads": rounds[variant][0]["threads"],
+                        **{f"{key}_by_round": [r[key] for r in rounds[variant]] for key in ("step_s", "finish_s")}}
     return out
 
 
-def run_zero(run: _Runner, models: list[str], cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for model_name in models:
-        for world_size in (2, 4):
-            per_rank = run(zero_worker, (model_name, cfg), world_size)
-            rows.append({"model": model_name, "world_size": world_size,
-                         "param_bytes": per_rank[0]["param_bytes"],
-                         "unsharded_bytes": per_rank[0]["unsharded"],
-                         "sharded_bytes_per_rank": [r["sharded"] for r in per_rank]})
-    return rows
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_sync",
-                                     description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--out", type=Path, help="default: benchmarks/results/grad_sync; with --quick a "
-                        "temporary folder, so that a smoke run never overwrites the committed results")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny smoke configuration; does not wait for a quiet machine")
-    parser.add_argument("--models", nargs="+", choices=("mlp", "resnet18"), default=["mlp", "resnet18"])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        help="default: all (with --quick: one cap per code path)")
-    parser.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
-    parser.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine "
-                        "(default 300, 0 with --quick)")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
-    out = args.out or (Path(tempfile.gettempdir()) / "grad_sync_quick" if args.quick
-                       else Path("benchmarks/results/grad_sync"))
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["rounds"] = args.rounds if args.rounds is not None else cfg["rounds"]
-    # The baseline and both anchors are always measured: exposure and every ratio need them.
-    required = [NO_COMM, "ddp_tuned", "ddp_default"]
-    chosen = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
-    variants = required + [v for v in chosen if v not in required]
-    quiet = wait_for_quiet(max_wait_s=args.max_wait if args.max_wait is not None
-                           else (0.0 if args.quick else 300.0))
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser("grad_sync", __doc__)
+    p.add_argument("--models", nargs="+", choices=("mlp", "resnet18"), default=["mlp", "resnet18"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
+    p.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
+    args = parse(p, argv)
+    cfg = (QUICK if args.quick else FULL) | ({"rounds": args.rounds} if args.rounds else {})
+    variants = REQUIRED + [v for v in args.variants or VARIANTS if v not in REQUIRED]
+    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="grad_sync_bench_") as tmp:  # rendezvous files
-        run = _Runner(Path(tmp))
-        steps = {m: measure_model(run, m, variants, cfg) for m in args.models}
-        zero1 = run_zero(run, args.models, cfg)
+    steps = {m: measure_model(m, variants, cfg) for m in args.models}
+    zero1 = [{"model": m, "world_size": n, "param_bytes": per_rank[0]["param_bytes"],
+              "unsharded_bytes": per_rank[0]["unsharded"], "sharded_bytes_per_rank": [r["sharded"] for r in per_rank]}
+             for m in args.models for n in (2, 4) for per_rank in [_run(zero_worker, None, m, cfg, world_size=n)]]
     config = cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu",
-                    "threads_per_process": 1, "optimizer": "SGD(lr=0.01, momentum=0.9)",
-                    "variants": {v: VARIANTS[v] for v in variants}}
+                    "optimizer": "SGD(lr=0.01, momentum=0.9)", "variants": {v: VARIANTS[v] for v in variants}}
     record = make_record("grad_sync", config, quiet.finish(), argv=argv, wall_s=time.monotonic() - started,
                          steps=steps, zero1=zero1)
-    grad_sync_report.write(grad_sync_report.analyse(record), out)
-    print(f"wrote {out}/results.json, results.md and grad_sync.png", flush=True)
+    grad_sync_report.write(record, args.out)
+    print(f"wrote {args.out}/results.json, results.md and grad_sync.png", flush=True)
+    return record
 
 
 if __name__ == "__main__":

@@ -1,44 +1,24 @@
 """SyncBatchNorm benchmark: does ``parallel.syncbn.SyncBatchNorm`` cost more than local BN plus its all-reduces?
 
-Run from the repository root::
-
-    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes
+    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~4 minutes
     python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
     python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
 
-Per shape (PER RANK: the assignment's 8 (N, C) shapes and 4 conv (N, C, H, W) ones), one
-forward+backward of
-
-- ``custom``: ``parallel.syncbn.SyncBatchNorm`` (statistics synchronised over the ranks);
-- ``local``: torch's BatchNorm, no communication;
-- ``floor``: that local BN and then two ``all_reduce`` calls of 2C+1 floats, timed as ONE call:
-  the least any synchronised BN has to do. (Timing the pieces apart and adding their medians
-  made the floor mostly noise on small shapes: it came out above ``custom`` in 5 of 12.)
-- ``torch_syncbn`` (CUDA only): ``torch.nn.SyncBatchNorm``.
-
-And the kernel alone: the same shapes on ONE rank (a 1-rank gloo group, so no collective runs),
-``custom`` against ``local`` (torch's native ``BatchNorm``), targets custom/native <= 1.10 on the
-conv (N, C, H, W) shapes and <= 1.5 on the (N, C) ones, where a Python kernel's ~30 torch calls
-cost more than the arithmetic.
-
-Timing goes through ``benchmarks.harness``: interleaved rounds of the methods, ``--iters``
-iterations of one method per round; each iteration starts after a barrier and its sample is the
-slowest rank's time, because a synchronised step finishes only when its slowest rank does.
-Reported: medians and the ratios custom/floor, custom/local (custom/torch_syncbn on CUDA) with
-bootstrap 95 % CIs. Target custom <= 1.2x floor (CPU), <= 0.9x torch_syncbn (CUDA): "met" only
-when the whole CI lies below it, "missed" when it lies above, otherwise "undecided".
-``torch.utils.benchmark`` is not used for the timing: its Timer chooses block sizes and warm-up
-calls per process, so the ranks would neither issue their collectives in step nor yield
-barrier-aligned per-iteration samples.
-
-Peak memory (one forward+backward, beyond what was allocated before): CPU extra peak RSS via
-``/proc/self/clear_refs`` with glibc's mmap threshold fixed, CUDA ``max_memory_allocated``.
+Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one forward+backward of
+``custom`` (``parallel.syncbn.SyncBatchNorm``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
+then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
+on CUDA ``torch_syncbn``; targets custom <= 1.2x floor (CPU), <= 0.9x torch_syncbn (CUDA). The
+kernel alone, on ONE rank: custom vs torch's BatchNorm, targets <= 1.10 (conv) and <= 1.5 (N, C),
+where a Python kernel's ~30 torch calls cost more than the arithmetic. Interleaved rounds of
+barrier-aligned iterations, each sample the slowest rank's (``torch.utils.benchmark`` would put
+the ranks' collectives out of step). Peak memory of one forward+backward: CPU peak RSS (freed
+tensors unmapped), CUDA allocator peak. Analysis, headline and report: this module.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -47,10 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import syncbn_report
 from benchmarks.harness import (
-    aligned_seconds, interleave, make_record, median_ci, ratio_ci, slowest_rank, wait_for_quiet,
-)
+    fmt_bytes, fmt_value, headline_row, make_record, measure_peak, median_ci, parse, parser, plot_estimates, ratio_ci,
+    report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
 from callbacks.memory import return_freed_memory_above
 from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
@@ -61,8 +40,53 @@ QUICK_SHAPES = [(32, 128), (64, 1024), (32, 64, 16, 16)]
 FULL = {"rounds": 10, "iters": 20, "warmup": 5}
 QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
 TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 0.9)}  # baseline, max custom/baseline
-ONE_RANK_METHODS = ("custom", "local")
-ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape_kind
+ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape kind
+TITLE = "SyncBatchNorm: forward+backward time and peak memory"
+KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
+
+
+def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[str, Callable[[], None]]:
+    """One forward+backward per method on this rank's fixed input."""
+    generator = torch.Generator().manual_seed(rank)
+    x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
+    stats, local = torch.zeros(2 * shape[1] + 1, device=device), nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
+    layers = {"custom": SyncBatchNorm(shape[1]), "local": local(shape[1]), "floor": local(shape[1])} | (
+        {"torch_syncbn": nn.SyncBatchNorm(shape[1])} if device.type == "cuda" else {})
+
+    def fwd_bwd(name: str, layer: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            layer(x.detach().requires_grad_()).backward(grad)
+            if name == "floor":  # the two all-reduces a synchronised BN cannot avoid
+                dist.all_reduce(stats)
+                dist.all_reduce(stats)
+
+        return run
+
+    return {name: fwd_bwd(name, layer.to(device)) for name, layer in layers.items()}
+
+
+def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, Any]:
+    device = torch.device("cpu")
+    if cfg["device"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    names = cfg.get("methods")
+    out = [{"samples": timed_rounds({name: fn for name, fn in _methods(tuple(shape), device, rank).items()
+                                     if names is None or name in names}, cfg, device)} for shape in shapes]
+    if cfg.get("memory", True):
+        # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
+        # each allocation instead of reused heap pages.
+        if device.type == "cpu":
+            return_freed_memory_above(128 * 1024)
+        for result, shape in zip(out, shapes):
+            methods = _methods(tuple(shape), device, rank)
+            for fn in methods.values():  # lazy initialisation is not the layer's memory
+                fn()
+            result["peak_bytes"] = {}
+            for name, fn in methods.items():
+                dist.barrier()
+                result["peak_bytes"][name] = measure_peak(fn, device)[1]
+    return {"shapes": out, "threads": torch.get_num_threads()}
 
 
 def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
@@ -70,171 +94,120 @@ def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
     return "conv" if len(shape) >= 4 else "nc"
 
 
-def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
-             stats: torch.Tensor | None = None) -> Callable[[], None]:
-    def run() -> None:
-        layer(x.detach().requires_grad_()).backward(grad)
-        if stats is not None:  # the floor: the two all-reduces a synchronised BN cannot avoid
-            dist.all_reduce(stats)
-            dist.all_reduce(stats)
-
-    return run
+def _shape(row: dict[str, Any]) -> str:
+    return "x".join(map(str, row["shape"]))
 
 
-def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[str, Callable[[], None]]:
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(shape, generator=generator).to(device)
-    grad = torch.randn(shape, generator=generator).to(device)
-    channels = shape[1]
-    local = nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
-    methods = {
-        "custom": _fwd_bwd(SyncBatchNorm(channels).to(device), x, grad),
-        "local": _fwd_bwd(local(channels).to(device), x, grad),
-        "floor": _fwd_bwd(local(channels).to(device), x, grad, torch.zeros(2 * channels + 1, device=device)),
-    }
-    if device.type == "cuda":
-        methods["torch_syncbn"] = _fwd_bwd(nn.SyncBatchNorm(channels).to(device), x, grad)
-    return methods
-
-
-def _time(methods: dict[str, Callable[[], None]], device: torch.device, cfg: dict) -> dict[str, list[float]]:
-    """Per-iteration seconds of every method on this rank, in interleaved rounds after a warm-up."""
-    for _ in range(cfg["warmup"]):
-        for fn in methods.values():
-            aligned_seconds(fn, device)
-    rounds = interleave(list(methods), cfg["rounds"],
-                        lambda name, _: [aligned_seconds(methods[name], device) for _ in range(cfg["iters"])])
-    # Every rank runs the same order, so sample i of a method is the same iteration on every rank.
-    return {name: [s for block in blocks for s in block] for name, blocks in rounds.items()}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(next(line for line in status if line.startswith(field + ":")).split()[1])
-
-
-def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
-    """Memory one call needs beyond what is allocated before it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - before) * 1024
-
-
-def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> list[dict]:
-    device = torch.device("cpu")
-    if cfg["device"] == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    names = cfg.get("methods")
-    out = [{"samples": _time({name: fn for name, fn in _methods(tuple(shape), device, rank).items()
-                              if names is None or name in names}, device, cfg)} for shape in shapes]
-    if not cfg.get("memory", True):
-        return out
-    # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
-    # each allocation instead of reused heap pages.
-    if device.type == "cpu":
-        return_freed_memory_above(128 * 1024)
-    for result, shape in zip(out, shapes):
-        methods = _methods(tuple(shape), device, rank)
-        for fn in methods.values():  # lazy initialisation is not the layer's memory
-            fn()
-        result["peak_bytes"] = {}
-        for name, fn in methods.items():
-            dist.barrier()
-            result["peak_bytes"][name] = _peak_bytes(fn, device)
-    return out
-
-
-def analyse(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One shape's row: medians, ratios of custom over every other method (CIs), peak memory."""
+def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One shape: the slowest rank's samples, medians, ratios of custom over every other method (CIs),
+    peak memory (max over ranks)."""
     samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
-    return {
-        "shape": list(shape),
-        "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-        "ratios": {f"custom/{name}": asdict(ratio_ci(samples["custom"], samples[name]))
-                   for name in samples if name != "custom"},
-        "peak_bytes": {name: max(rank["peak_bytes"][name] for rank in per_rank)
-                       for name in per_rank[0].get("peak_bytes", {})},
-        "samples_s": samples,
-    }
+    return {"shape": list(shape), "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
+            "ratios": {f"custom/{name}": asdict(ratio_ci(samples["custom"], samples[name]))
+                       for name in samples if name != "custom"},
+            "peak_bytes": {name: max(rank["peak_bytes"][name] for rank in per_rank)
+                           for name in per_rank[0].get("peak_bytes", {})},
+            "samples_s": samples}
 
 
-def shape_name(shape: list[int]) -> str:
-    return "x".join(map(str, shape))
+def _judged(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[tuple[dict, str, float]]:
+    """(row, verdict, target) of ``key`` for every row, the target by shape kind."""
+    return [(row, verdict(row["ratios"][key], targets[shape_kind(row["shape"])]), targets[shape_kind(row["shape"])])
+            for row in rows]
 
 
-def headline(rows: list[dict], baseline: str, one_rank_rows: list[dict] | None = None) -> dict[str, Any]:
-    """Flat README-ready numbers: custom over the baseline and over local BN, per shape, and the worst;
-    on one rank custom over native BN per shape, and the worst of the conv and of the (N, C) shapes."""
-    out: dict[str, Any] = {}
-    one_rank_rows = one_rank_rows or []
-    for row in one_rank_rows:
-        out[f"custom_vs_native_1rank_{shape_name(row['shape'])}"] = row["ratios"]["custom/local"]
-    for kind in ONE_RANK_TARGETS:
-        ratios = [row["ratios"]["custom/local"] for row in one_rank_rows if shape_kind(row["shape"]) == kind]
-        if ratios:
-            out[f"custom_vs_native_1rank_worst_{kind}"] = max(ratios, key=lambda e: e["value"])
-    for key in (f"custom/{baseline}", "custom/local"):
-        name = key.replace("/", "_vs_")
-        for row in rows:
-            out[f"{name}_{shape_name(row['shape'])}"] = row["ratios"][key]
-        out[f"{name}_worst"] = max((row["ratios"][key] for row in rows), key=lambda e: e["value"])
-        out[f"{name}_shapes_ci_includes_1"] = sum(syncbn_report.includes_one(row["ratios"][key]) for row in rows)
+def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per shape kind: the worst ratio with its verdict and how many shapes met the target, for the
+    synchronised layer against its baseline and for the kernel alone against torch's BatchNorm."""
+    cfg = record["config"]
+    checks = [(record["rows"], f"custom/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"]),
+               f"SyncBN / {cfg['baseline']} ({'local BN + 2 all-reduces' if cfg['baseline'] == 'floor' else 'torch'}), "
+               f"{cfg['world_size']} ranks"),
+              (record.get("one_rank_rows", []), "custom/local", cfg.get("one_rank_targets", {}),
+               "SyncBN kernel / torch BatchNorm, 1 rank")]
+    out = []
+    for rows, key, targets, what in checks:
+        for kind, label in KINDS.items():
+            judged = _judged([r for r in rows if shape_kind(r["shape"]) == kind], key, targets)
+            if not judged:
+                continue
+            worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
+            tally = Counter(v for _, v, _ in judged)
+            out += [headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
+                    headline_row(f"{what}: {label} shapes meeting <= {target:g}",
+                                 f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided "
+                                 f"of {len(judged)}")]
     return out
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.syncbn", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/syncbn"))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
-    parser.add_argument("--iters", type=int, help=f"iterations per method per round (default {FULL['iters']})")
-    parser.add_argument("--shapes", nargs="+", type=lambda s: tuple(map(int, s.split("x"))),
-                        help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--max-wait-s", type=float, help="wait this long for a quiet machine (300; --quick: 0)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 shapes, 3 rounds of 5 iterations")
-    args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA device; none is visible (torch.cuda.is_available())")
-    return args
+def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
+    methods, memory = list(rows[0]["median_s"]), list(rows[0]["peak_bytes"])
+    keys = [key, *(k for k in rows[0]["ratios"] if k != key)]  # the target's ratio first
+    body = [[_shape(row), *(fmt_value(row["median_s"][m], "s") for m in methods),
+             *(fmt_value(row["ratios"][k]) for k in keys), f"{v} (<= {t:g})",
+             row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"],
+             *(fmt_bytes(row["peak_bytes"][m]) for m in memory)] for row, v, t in _judged(rows, key, targets)]
+    return table(["shape per rank", *methods, *(k.replace("/", " / ") for k in keys), f"{key} verdict",
+                  f"{key} CI includes 1?", *(f"{m} peak memory" for m in memory)], body)
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
+    cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
+    record["headline"] = headline(record)
+    key = f"custom/{cfg['baseline']}"
+    body = [f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} rounds x "
+            f"{cfg['iters']} iterations per method after {cfg['warmup']} warm-up; wall time {record['wall_s']:.0f} s.",
+            "", *_table(rows, key, dict.fromkeys(KINDS, cfg["target"])), "",
+            "## The kernel on one rank: custom vs torch's BatchNorm (`local`)", "",
+            *_table(one_rank, "custom/local", cfg["one_rank_targets"]), "", "![time and ratios per shape](syncbn.png)"]
+    write_record(out, record, report(record, TITLE, body))
+    groups = [_shape(row) for row in rows]
+    plot_estimates(out / "syncbn.png", [
+        {"title": "forward+backward", "ylabel": "ms (median, slowest rank)", "scale": 1e3, "log": True,
+         "groups": groups, "series": {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]}},
+        {"title": "ratios of medians", "ylabel": "ratio", "log": True, "groups": groups,
+         "series": {**{k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]},
+                    "custom/native, 1 rank": [row["ratios"]["custom/local"] for row in one_rank]},
+         "lines": {"1": 1.0, f"target {cfg['target']}x {cfg['baseline']}": cfg["target"],
+                   **{f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()}}},
+    ], f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}",
+        record["quietness"]["comparable"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parse_args(argv)
-    cfg = {**(QUICK if args.quick else FULL), "device": args.device}
-    cfg.update({k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None})
+    p = parser("syncbn", __doc__)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
+    p.add_argument("--iters", type=int, help=f"iterations per method per round (default {FULL['iters']})")
+    p.add_argument("--shapes", nargs="+", type=lambda s: tuple(map(int, s.split("x"))),
+                   help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    args = parse(p, argv)
+    if args.world_size < 2:
+        p.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA device; none is visible (torch.cuda.is_available())")
+    cfg = (QUICK if args.quick else FULL) | {"device": args.device} | {
+        k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None}
     shapes = args.shapes or (QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES)
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    backend = "nccl" if gpus >= args.world_size else "gloo"
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s if args.max_wait_s is not None else 0 if args.quick else 300)
+    backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
+    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     start = time.monotonic()
-    per_rank = run_workers(_worker, args.world_size, args=(shapes, cfg), backend=backend,
-                           timeout_s=1800.0, threads=args.threads)
-    rows = [analyse(shape, [rank[i] for rank in per_rank]) for i, shape in enumerate(shapes)]
+    launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
+    per_rank = run_workers(_worker, args.world_size, args=(shapes, cfg), **launch)
     # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
-    one_rank_cfg = {**cfg, "methods": ONE_RANK_METHODS, "memory": False}
-    (one_rank,) = run_workers(_worker, 1, args=(shapes, one_rank_cfg), backend=backend, timeout_s=1800.0,
-                              threads=args.threads)
-    one_rank_rows = [analyse(shape, [one_rank[i]]) for i, shape in enumerate(shapes)]
+    (one_rank,) = run_workers(_worker, 1, args=(shapes, cfg | {"methods": ("custom", "local"), "memory": False}),
+                              **launch)
     baseline, target = TARGETS[args.device]
-    config = {**cfg, "world_size": args.world_size, "backend": backend, "threads": args.threads,
-              "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
-              "one_rank_targets": ONE_RANK_TARGETS}
-    record = make_record("syncbn", config, quiet.finish(), argv=argv, headline=headline(rows, baseline, one_rank_rows),
-                         rows=rows, one_rank_rows=one_rank_rows, wall_s=time.monotonic() - start)
-    syncbn_report.write(record, args.out)
+    config = cfg | {"world_size": args.world_size, "backend": backend, "threads": per_rank[0]["threads"],
+                    "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
+                    "one_rank_targets": ONE_RANK_TARGETS}
+    record = make_record("syncbn", config, quiet.finish(), argv=argv, wall_s=time.monotonic() - start,
+                         rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
+                         one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
+    write(record, args.out)
     print((args.out / "results.md").read_text())
     return record
 

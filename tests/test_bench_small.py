@@ -1,5 +1,5 @@
-"""The syncbn, allreduce and data_pipeline benchmarks on tiny settings: they run through the shared
-harness and their records carry quietness, CIs for every ratio, and a headline."""
+"""The syncbn, allreduce, data_pipeline and eval_memory benchmarks on tiny settings: they run through the
+shared harness and their records carry quietness, CIs for every ratio, threads, and headline rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import allreduce, allreduce_report, data_pipeline, syncbn
+from benchmarks import allreduce, data_pipeline, eval_memory, syncbn
 from benchmarks.harness import Quietness, make_record
 
 ESTIMATE_KEYS = {"value", "low", "high", "n"}
@@ -23,9 +23,17 @@ def _check_saved(out: Path, ratios: list[dict]) -> dict:
     saved = json.loads((out / "results.json").read_text())
     assert {"comparable", "load_before", "threshold"} <= set(saved["quietness"])
     assert ratios and all(_is_estimate(r) for r in ratios)
-    assert saved["headline"] and all(_is_estimate(v) or isinstance(v, (int, float)) for v in saved["headline"].values())
-    assert (out / "results.md").read_text().startswith("# ")
+    rows = saved["headline"]
+    assert rows and all({"what", "value", "unit"} <= set(r) for r in rows)
+    assert all(_is_estimate(r["value"]) or isinstance(r["value"], (int, float, str)) for r in rows)
+    assert all(r["verdict"] in ("met", "missed", "undecided") for r in rows if "verdict" in r)  # values, not text
+    markdown = (out / "results.md").read_text()
+    assert markdown.startswith("# ") and "## Headline" in markdown
     return saved
+
+
+def _whats(saved: dict) -> str:
+    return "\n".join(r["what"] for r in saved["headline"])
 
 
 @pytest.mark.distributed
@@ -35,14 +43,15 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     row = saved["rows"][0]
     assert set(row["ratios"]) == {"custom/floor", "custom/local"}
     assert len(row["samples_s"]["custom"]) == 4  # 2 rounds x 2 iterations, max over the ranks
-    assert {"custom_vs_floor_8x16", "custom_vs_local_worst", "custom_vs_floor_shapes_ci_includes_1"} <= set(
-        saved["headline"])
+    assert row["peak_bytes"]["custom"] >= 0 and saved["config"]["threads"] == 1
+    assert "SyncBN / floor (local BN + 2 all-reduces), 2 ranks: worst (N, C) shape (8x16)" in _whats(saved)
     assert saved["command"].startswith("python -m benchmarks.syncbn --quick")
     assert (tmp_path / "syncbn.png").exists()
     # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
     (one_rank,) = saved["one_rank_rows"]
     assert set(one_rank["ratios"]) == {"custom/local"} and len(one_rank["samples_s"]["custom"]) == 4
-    assert {"custom_vs_native_1rank_8x16", "custom_vs_native_1rank_worst_nc"} <= set(saved["headline"])
+    worst = next(r for r in saved["headline"] if r["what"].startswith("SyncBN kernel / torch BatchNorm, 1 rank: worst"))
+    assert worst["target"] == "<= 1.5" and worst["verdict"] in ("met", "missed", "undecided")
     assert "custom vs torch's BatchNorm" in (tmp_path / "results.md").read_text()
 
 
@@ -59,8 +68,8 @@ def _synthetic_compare_rows(rng: np.random.Generator, cores: int) -> list[dict]:
                                         for m in allreduce.METHODS},
                             "accuracy": {m: {"identical": True, "max_abs_err": 1e-7, "rel_err": 5e-8}
                                          for m in allreduce.METHODS},
-                            "memory": {m: {"torch_alloc_bytes": 4, "extra_peak_rss_kib": 0}
-                                       for m in allreduce.METHODS}}}
+                            "memory": {m: {"torch_alloc_bytes": 4, "extra_peak_bytes": 0}
+                                       for m in allreduce.METHODS}}, "threads": 1}
                     for _ in range(world_size)]
         rows.append(allreduce.compare_row(world_size, 1000, per_rank, cores))
     return rows
@@ -70,29 +79,30 @@ def test_allreduce_analysis_report_and_plots(tmp_path: Path) -> None:
     rows = _synthetic_compare_rows(np.random.default_rng(0), cores=2)
     assert [r["oversubscribed"] for r in rows] == [False, True]
     assert 1.6 < rows[0]["ratios"]["ring/all_reduce"]["value"] < 2.4
-    bandwidth = [{"world_size": 2, "bytes": 1 << 20, "backend": "gloo", "oversubscribed": False, "status": "ok",
-                  "median_s": {"value": 1e-3, "low": 9e-4, "high": 1.2e-3, "n": 30},
-                  "algbw_GBps": {"value": 1.0, "low": 0.9, "high": 1.1, "n": 30},
-                  "busbw_GBps": {"value": 1.0, "low": 0.9, "high": 1.1, "n": 30}}]
+    row = {"world_size": 2, "bytes": 1 << 20, "backend": "gloo", "oversubscribed": False}
+    bandwidth = [allreduce.bandwidth_row(row, [{"samples": [1e-3, 1.1e-3, 0.9e-3], "threads": 1}] * 2)]
+    assert bandwidth[0]["median_s"]["value"] == pytest.approx(1e-3) and bandwidth[0]["algbw_GBps"]["value"] > 1.0
     quiet = Quietness(threshold=0.5, waited_s=0.0, load_before=0.1).finish()
     cfg = {**allreduce.QUICK, "cores": 2, "seed": 0, "device": "cpu"}
-    record = make_record("allreduce", cfg, quiet, headline=allreduce.headline(rows, bandwidth), compare=rows,
-                         bandwidth=bandwidth, wall_s=1.0)
-    allreduce_report.write(record, tmp_path)
+    record = make_record("allreduce", cfg, quiet, compare=rows, bandwidth=bandwidth, wall_s=1.0)
+    allreduce.write(record, tmp_path)
     saved = _check_saved(tmp_path, [e for r in rows for e in r["ratios"].values()])
-    assert {"ring_vs_torch_2ranks_1k", "butterfly_vs_torch_4ranks_1k", "ring_max_rel_err",
-            "allreduce_peak_busbw_GBps"} <= set(saved["headline"])
+    ring = next(r for r in saved["headline"] if r["what"].startswith("ring / dist.all_reduce") and "2 ranks" in
+                r["what"])
+    assert ring["target"] == "<= 1.5" and ring["verdict"] == "missed"  # the synthetic ring is 2x slower
+    assert "(time-shared cores)" in _whats(saved) and "peak bus bandwidth" in _whats(saved)
     assert "time-shared" in (tmp_path / "results.md").read_text()
-    assert (tmp_path / "time_vs_world_size.png").exists() and (tmp_path / "bandwidth.png").exists()
+    assert (tmp_path / "allreduce.png").exists()
 
 
 @pytest.mark.distributed
 def test_allreduce_compare_on_two_ranks(tmp_path: Path) -> None:
     cfg = {**allreduce.QUICK, "compare_world_sizes": [2], "compare_numels": [256], "warmup": 1, "rounds": 2,
            "iters": 2}
-    (row,) = allreduce.run_compare(cfg, seed=0, tmp=tmp_path, cores=2)
-    assert len(row["samples_s"]["ring"]) == 4
-    assert row["accuracy"]["ring"]["rel_err"] <= allreduce_report.REL_ERR_TARGET
+    (row,) = allreduce.run_compare(cfg, seed=0, cores=2)
+    assert len(row["samples_s"]["ring"]) == 4 and row["threads"] == 1
+    assert all(row["memory"][m]["extra_peak_bytes"] >= 0 for m in allreduce.METHODS)
+    assert row["accuracy"]["ring"]["rel_err"] <= allreduce.REL_ERR_TARGET
     assert all(row["accuracy"][m]["identical"] for m in allreduce.METHODS)
     assert _is_estimate(row["ratios"]["butterfly/all_reduce"])
 
@@ -100,6 +110,15 @@ def test_allreduce_compare_on_two_ranks(tmp_path: Path) -> None:
 def test_data_pipeline_quick_run(tmp_path: Path) -> None:
     record = data_pipeline.main(["--quick", "--images", "256", "--rounds", "2", "--out", str(tmp_path)])
     saved = _check_saved(tmp_path, list(record["speedups"].values()))
-    assert {"batched_vs_pil_main", "batched_vs_pil_2workers", "images_per_s_batched"} <= set(saved["headline"])
+    first = saved["headline"][0]
+    assert first["what"].startswith("batched tensor ops / PIL per sample in the main process")
+    assert first["target"] == ">= 3" and saved["config"]["torch_threads"] == 1
     assert saved["images_per_s"]["pil_transform"]["n"] == data_pipeline.QUICK["kernel_rounds"]
     assert (tmp_path / "throughput.png").exists()
+
+
+def test_readme_rows_of_records_before_issue_16():
+    """eval_memory's committed record holds MiB; its rows still come out in bytes."""
+    record = {"headline": {"eval_set_mib": 260.0}, "ranks": [{"rank": 0, "peak_growth_mib": 24.5}]}
+    (row,) = eval_memory.headline(record)
+    assert row["value"] == 24.5 * 2**20 and row["unit"] == "B" and "260 MiB" in row["what"]

@@ -1,23 +1,30 @@
-"""The shared benchmark measurement layer: rounds, intervals, quietness, the record and its writer."""
+"""The shared benchmark layer: options, rounds, intervals, quietness, verdicts, the record and its writer."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.harness import (
+    SCHEMA,
     Quietness,
     difference_ci,
-    fmt_estimate,
+    fmt_value,
+    headline_row,
     interleave,
     make_record,
-    markdown_header,
     median_ci,
+    parse,
+    parser,
     ratio_ci,
+    report,
+    share_ci,
     table,
+    verdict,
     write_record,
 )
 
@@ -45,7 +52,7 @@ def test_ratio_ci_of_a_known_ratio():
     base = rng.lognormal(0, 0.1, 500)
     e = ratio_ci(base * 1.5, rng.permutation(base))
     assert e.value == pytest.approx(1.5) and e.low < 1.5 < e.high
-    assert fmt_estimate(e, digits=2).startswith("1.50 [")
+    assert fmt_value(e.__dict__, "x").startswith("1.5 [") and fmt_value(e.__dict__, "%").endswith("] %")
     with pytest.raises(ValueError, match="both sides"):
         ratio_ci([1.0], [])
 
@@ -57,12 +64,12 @@ def test_busy_machine_is_marked_not_comparable(tmp_path):
     busy = Quietness(threshold=0.5, waited_s=0.0, load_before=0.2, load_after=1.9, foreign_share=0.4)
     assert not busy.comparable  # others took 40 % of the machine during the run
     record = make_record("demo", {"x": 1}, busy, value=float("nan"))
-    header = markdown_header(record, "Demo")
-    assert "NOT COMPARABLE" in header[2] and "40.0 %" in header[2]
+    header = report(record, "Demo", [])
+    assert "NOT COMPARABLE" in header[2] and "40 %" in header[2]
     write_record(tmp_path, record, header + table(["a"], [[1]]))
     saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON: NaN became null
     assert saved["value"] is None and saved["quietness"]["comparable"] is False
-    assert saved["schema"] == "lit_cifar.bench/v2" and "cpu" in saved["environment"]
+    assert saved["schema"] == SCHEMA and "cpu" in saved["environment"]
     assert "| a |" in (tmp_path / "results.md").read_text()
 
 
@@ -82,3 +89,32 @@ def test_difference_ci_of_a_known_shift():
     base = rng.normal(100, 1, 400)
     e = difference_ci(base + 7, rng.permutation(base))
     assert e.value == pytest.approx(7) and e.low < 7 < e.high
+
+
+def test_share_of_a_known_part():
+    rng = np.random.default_rng(4)
+    whole = rng.normal(100, 1, 400)
+    e = share_ci(whole * 0.75, whole)  # the part missing from "without" takes a quarter of the whole
+    assert e.value == pytest.approx(0.25) and e.low < 0.25 < e.high
+
+
+def test_verdicts_are_values_judged_on_the_whole_interval():
+    assert verdict({"value": 1.0, "low": 0.9, "high": 1.1}, 1.2) == "met"
+    assert verdict({"value": 1.3, "low": 1.25, "high": 1.4}, 1.2) == "missed"
+    assert verdict({"value": 1.2, "low": 1.1, "high": 1.3}, 1.2) == "undecided"
+    assert verdict({"value": 5.0, "low": 4.0, "high": 6.0}, 3.0, at_most=False) == "met"
+    assert verdict(2e-7, 1e-6) == "met"  # a plain number is its own interval
+    row = headline_row("a / b", {"value": 1.3, "low": 1.25, "high": 1.4, "n": 9}, "x", target=1.2)
+    assert row["verdict"] == "missed" and row["target"] == "<= 1.2"
+    assert fmt_value({"value": 0.0123, "low": 0.011, "high": 0.014}, "s") == "12.3 [11, 14] ms"
+    assert fmt_value(3 * 2**20, "B") == "3 MiB" and fmt_value([1.0, None], "x") == "1 / –"
+
+
+def test_quick_never_writes_into_the_committed_results(tmp_path):
+    p = parser("demo", "Demo.")
+    quick = parse(p, ["--quick"])
+    assert not quick.out.resolve().is_relative_to(Path(__file__).resolve().parents[1] / "benchmarks" / "results")
+    assert quick.max_wait_s == 0.0 and parse(p, []).max_wait_s == 300.0
+    assert parse(p, []).out == Path("benchmarks/results/demo")
+    with pytest.raises(SystemExit):
+        parse(p, ["--quick", "--out", "benchmarks/results/demo"])
