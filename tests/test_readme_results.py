@@ -14,17 +14,29 @@ def test_readme_numbers_match_the_committed_results():
     assert current == fresh, "README.md is stale: run python -m benchmarks.readme_results --write"
 
 
-def test_block_renders_estimates_and_quietness(tmp_path):
+def test_block_renders_headline_rows_and_quietness(tmp_path):
+    """A benchmark without an analysis module of its own is shown from its stored headline rows."""
     folder = tmp_path / "demo"
     folder.mkdir()
-    record = {"command": "python -m benchmarks.demo", "headline": {"ratio": {"value": 1.025, "low": 0.99, "high": 1.06,
-                                                                           "n": 40}, "count": 3},
+    rows = [{"what": "a / b: step time", "value": {"value": 1.025, "low": 0.99, "high": 1.06, "n": 40}, "unit": "x",
+             "target": "<= 1.2", "verdict": "met"}, {"what": "calls", "value": 3, "unit": ""}]
+    record = {"command": "python -m benchmarks.demo", "headline": rows,
               "quietness": {"comparable": False, "load_before": 1.5, "foreign_share": 0.3}}
     (folder / "results.json").write_text(json.dumps(record))
+    (tmp_path / "unshown").mkdir()  # a record without a headline is not shown
+    (tmp_path / "unshown" / "results.json").write_text(json.dumps({"rows": []}))
     block = render_block(tmp_path)
     assert block.startswith(BEGIN) and block.endswith(END)
-    assert "| ratio | 1.02 [0.99, 1.06] |" in block and "| count | 3 |" in block
-    assert "NOT comparable" in block and "30.0 %" in block
+    assert "| a / b: step time | 1.02 [0.99, 1.06] | met, target <= 1.2 |" in block and "| calls | 3 | – |" in block
+    assert "NOT comparable" in block and "30 %" in block and "unshown" not in block
+
+
+def test_each_benchmark_heads_its_section_with_human_labels():
+    """The committed records, through each benchmark's own headline(): no raw record keys in the block."""
+    block = render_block()
+    for title in ("custom_ddp vs Lightning ddp", "Gradient synchronisation", "SyncBatchNorm", "All-reduce"):
+        assert f"**{title}" in block, title
+    assert "step_ratio_" not in block and "_vs_" not in block
 
 
 def test_missing_markers_are_a_clear_error(tmp_path):
