@@ -29,7 +29,7 @@ from callbacks.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "conformance" / "results"
+DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "evaluation"
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 SETTINGS = ("one_process", "ddp", "custom_ddp")
 # What each logged key is, for a reader; keys not listed are shown as they are.

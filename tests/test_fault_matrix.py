@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fault_matrix_report
-from benchmarks.fault_matrix import DEFAULT_OUT, EPOCHS, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row, run_row
+from conformance import fault_matrix_report
+from conformance.fault_matrix import DEFAULT_OUT, EPOCHS, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row, run_row
 WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault
 
 
@@ -61,4 +61,4 @@ def test_fault_matrix_row(tmp_path: Path, row: Row) -> None:
 def test_readme_fault_table_is_generated_from_the_committed_results() -> None:
     record = json.loads((DEFAULT_OUT / "results.json").read_text())
     current, fresh = fault_matrix_report.update_readme(record)
-    assert current == fresh, "README.md's fault table is stale: run python -m benchmarks.fault_matrix"
+    assert current == fresh, "README.md's fault table is stale: run python -m conformance.fault_matrix"

@@ -1,6 +1,6 @@
 """Fault matrix: signals, a killed rank, a one-rank exception and a rank-only collective, on a real fit.
 
-Each row starts :mod:`benchmarks.fault_fit` (2 CPU ranks, Lightning's popen launcher, collective
+Each row starts :mod:`conformance.fault_fit` (2 CPU ranks, Lightning's popen launcher, collective
 timeout 30 s), injects one fault at a chosen moment and measures, from outside: the time from the
 fault to every rank process gone, each rank's exit status, rank 0's message, whether a checkpoint
 was written after the fault (and at which step), and whether ``fit --ckpt_path`` resumes from it
@@ -8,10 +8,10 @@ to the end of training. Signals come from this process (``os.kill`` on one rank'
 the rank's event file) while the rank is where the row says: blocked in the SyncBN all_gather of a
 training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save::
 
-    python -m benchmarks.fault_matrix                  # every row (~3 min on 2 cores), README block
-    python -m benchmarks.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # README untouched
+    python -m conformance.fault_matrix                  # every row (~3 min on 2 cores), README block
+    python -m conformance.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # README untouched
 
-Writes ``results.json``, ``results.md`` and README.md's block (:mod:`benchmarks.fault_matrix_report`).
+Writes ``results.json``, ``results.md`` and README.md's block (:mod:`conformance.fault_matrix_report`).
 ``tests/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
 """
 
@@ -32,13 +32,13 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks import fault_matrix_report
+from conformance import fault_matrix_report
 from callbacks.run_info import environment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "fault_matrix"
+DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
 README = REPO_ROOT / "README.md"
-STEPS_PER_EPOCH, EPOCHS = 12, 3  # benchmarks.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
+STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
 DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
 HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
 # Left by an earlier Lightning run in this process (its launchers export them): inherited, they would
@@ -102,7 +102,7 @@ class Result:
 
 
 def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None) -> list[str]:
-    command = [sys.executable, "-m", "benchmarks.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
+    command = [sys.executable, "-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
     if ckpt_path is not None:
         return command + ["--ckpt_path", str(ckpt_path)]
     assert row is not None
