@@ -27,7 +27,18 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerError", "run_workers"]
+__all__ = ["LAUNCH_VARIABLES", "WorkerError", "run_workers", "without_launch_variables"]
+
+# Rendezvous variables a launcher exports; Lightning's fork/spawn launcher leaves MASTER_PORT in the
+# parent's environment. Inherited by a later process, they make it reuse a stale port or believe it is
+# a launched child.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def without_launch_variables(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` without :data:`LAUNCH_VARIABLES`: the environment for a fresh, self-launching run."""
+    return {key: value for key, value in environ.items() if key not in LAUNCH_VARIABLES}
 
 
 class WorkerError(RuntimeError):

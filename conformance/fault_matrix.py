@@ -34,6 +34,7 @@ import torch
 
 from conformance import fault_matrix_report
 from callbacks.run_info import environment
+from collectives.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
@@ -41,10 +42,6 @@ README = REPO_ROOT / "README.md"
 STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
 DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
 HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
-# Left by an earlier Lightning run in this process (its launchers export them): inherited, they would
-# make the fit reuse a stale rendezvous port or believe it is a launched child.
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                     "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @dataclass(frozen=True)
@@ -169,7 +166,7 @@ def _run_fit(command: list[str], out: Path, row: Optional[Row]) -> FitRun:
     """Run one fit; send ``row``'s signal at its moment; poll until every rank process is gone."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "output.log", "w") as log:
-        env = {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
+        env = without_launch_variables(dict(os.environ))  # not an earlier in-process run's rendezvous
         proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
         pids: dict[int, int] = {}

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
+from collectives.launcher import LAUNCH_VARIABLES
 from lit_cifar.data import CIFAR100DataModule
 
 # Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.
 TINY = {"synthetic_train_size": 400, "synthetic_test_size": 200, "val_size": 100, "batch_size": 64}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_launch_variables() -> Iterator[None]:
+    # Lightning's fork launcher leaves MASTER_PORT in this process's environment; a later test's
+    # subprocess (train.py on 2 processes) would inherit a stale rendezvous port.
+    before = {key: os.environ.get(key) for key in LAUNCH_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)
