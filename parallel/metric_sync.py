@@ -111,10 +111,6 @@ class MetricSync:
         self._ready = False
         self.merges = 0  # merge rounds run, for tests and logs
 
-    @property
-    def active(self) -> bool:
-        return bool(self._tracked)
-
     def begin(self, metrics: Iterable[Metric]) -> None:
         """Take over the sync of ``metrics`` (deduplicated, order kept) until :meth:`end`."""
         self.end()

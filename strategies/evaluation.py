@@ -127,11 +127,6 @@ class ScatteredEvaluation:
         """Inside a validation/test step of a scattered run (where nothing may communicate)."""
         return self._in_step
 
-    @property
-    def metric_sync(self) -> MetricSync | None:
-        """The current run's metric sync, ``None`` outside a scattered run."""
-        return self._metric_sync
-
     def applies(self, trainer: pl.Trainer | None) -> bool:
         """Whether the evaluation loaders set up now are scattered."""
         return (self._enabled and trainer is not None and trainer.world_size > 1
