@@ -200,8 +200,8 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _tables(record: dict[str, Any]) -> list[str]:
     compare, bandwidth, cfg = record["compare"], record["bandwidth"], record["config"]
-    times = [[r["world_size"], r["oversubscribed"], f"{r['numel']:,}", *(fmt_value(r["median_s"][m], "s")
-                                                                          for m in METHODS),
+    times = [[r["world_size"], r["oversubscribed"], f"{r['numel']:,}",
+              *(fmt_value(r["median_s"][m], "s") for m in METHODS),
               *(fmt_value(r["ratios"][f"{m}/all_reduce"]) for m in ("ring", "butterfly"))] for r in compare]
     accuracy = [[r["world_size"], f"{r['numel']:,}", m, f"{r['accuracy'][m]['max_abs_err']:.1e}",
                  f"{r['accuracy'][m]['rel_err']:.1e}", r["accuracy"][m]["identical"],
@@ -213,13 +213,11 @@ def _tables(record: dict[str, Any]) -> list[str]:
     return [f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations per method after {cfg['warmup']} "
             f"warm-up; wall time {record['wall_s']:.0f} s.", "", "## Time per call (float32 average)", "",
             *table(["ranks", "time-shared", "elements", *METHODS, "ring / all_reduce", "butterfly / all_reduce"],
-                   times), "",
-            "## Accuracy and memory (rank 0)", "",
+                   times), "", "## Accuracy and memory (rank 0)", "",
             "`extra peak memory` grows only when a call cannot reuse freed heap pages; `torch alloc/call` is the "
             "allocator-independent figure.", "",
             *table(["ranks", "elements", "method", "max abs err", "rel err", "same bits all ranks", "torch alloc/call",
-                    "extra peak memory"], accuracy), "",
-            "## dist.all_reduce bandwidth", "",
+                    "extra peak memory"], accuracy), "", "## dist.all_reduce bandwidth", "",
             *table(["size", "ranks", "time-shared", "backend", "latency", "algbw GB/s", "busbw GB/s", "status"], bw),
             ""]
 
@@ -246,8 +244,7 @@ def write(record: dict[str, Any], out_dir: Path) -> None:
         at = {(r["world_size"], r["bytes"]): r for r in ok}
         panels += [{"title": f"dist.all_reduce {name}", "ylabel": unit, "groups": [fmt_bytes(b) for b in sizes],
                     "scale": scale, "log": True,
-                    "series": {f"{ws} ranks": [at[ws, b][key] if (ws, b) in at else None for b in sizes]
-                               for ws in world_sizes}}
+                    "series": {f"{ws} ranks": [at.get((ws, b), {}).get(key) for b in sizes] for ws in world_sizes}}
                    for name, key, unit, scale in (("latency", "median_s", "median ms", 1e3),
                                                   ("bus bandwidth", "busbw_GBps", "GB/s", 1.0))]
     plot_estimates(out_dir / "allreduce.png", panels, TITLE, record["quietness"]["comparable"])
@@ -272,7 +269,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = make_record("allreduce", config, quiet.finish(), argv=argv, compare=compare, bandwidth=bandwidth,
                          wall_s=time.monotonic() - started)
     write(record, args.out)
-    print(f"wrote {args.out}/results.json, results.md and plots", flush=True)
     return record
 
 

@@ -13,8 +13,8 @@ torch.nn.SyncBatchNorm cannot run, so ddp keeps local BatchNorm: custom_ddp (loc
 is the like-for-like comparison of the gradient sync. Then custom_ddp and ddp_default train the
 template net's full schedule on SYNTHETIC data (not CIFAR-100 accuracies), each tested by ONE
 process, and every 2-process variant's collectives per optimizer step are counted by source.
-Derived (:mod:`benchmarks.compare_report`), with bootstrap 95 % CIs: step-time ratios naming their
-anchor; the SyncBN share of the step, ``1 - step(local BN) / step(SyncBN)``; exposed
+Derived from the record alone (:func:`write`), with bootstrap 95 % CIs: step-time ratios naming
+their anchor; the SyncBN share of the step, ``1 - step(local BN) / step(SyncBN)``; exposed
 communication, a 2-process step minus the 1-process step at the same per-process batch and each
 rank's thread count (``cores // 2`` via ``OMP_NUM_THREADS``, what Lightning gives each of 2
 processes); scaling efficiency, ``step(1 process) / step(2 processes)``, against that
@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks import compare_report
-from benchmarks.harness import interleave, make_record, parse, parser, slowest_rank, wait_for_quiet
+from benchmarks.harness import (
+    difference_ci, fmt_bytes, fmt_value, headline_row, interleave, make_record, median_ci, parse, parser,
+    plot_estimates, ratio_ci, report, share_ci, slowest_rank, table, wait_for_quiet, write_record)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
@@ -86,6 +87,12 @@ VARIANTS: dict[str, Variant] = {
 # stem keeps 32x32 maps in its first stage: ~0.2 s per 8-image micro-batch on one core.
 NETS = {"template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
         "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 8}}
+TITLE = "custom_ddp vs Lightning ddp, 2 CPU processes, synthetic data"
+CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")  # loss, acc
+# (numerator, denominator): every ratio names its anchor.
+RATIOS = (("custom_ddp", "ddp_default"), ("custom_ddp", "ddp_tuned"), ("custom_ddp_localbn", "ddp_tuned"),
+          ("custom_ddp", "custom_ddp_localbn"), ("custom_ddp_bf16", "custom_ddp"))
+BASELINES = {"single_matched": "thread-matched", "single": "all cores"}
 
 
 def variants_for(net: str) -> list[str]:
@@ -143,10 +150,10 @@ def timing_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> 
         cfg, net, variant, accumulate, f"{net}_{variant}_acc{accumulate}", setting["warmup_steps"] + setting["steps"],
         "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps",
                                                                 setting["warmup_steps"]))
-    report = json.loads((run_dir / "benchmark.json").read_text())
+    monitor = json.loads((run_dir / "benchmark.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"command": command, "wall_s": wall_s, "threads": report["run"]["intra_op_threads"],
-            "step_s": slowest_rank(report["step_s_per_rank"]), "recorded": report["run"]}
+    return {"command": command, "wall_s": wall_s, "threads": monitor["run"]["intra_op_threads"],
+            "step_s": slowest_rank(monitor["step_s_per_rank"]), "recorded": monitor["run"]}
 
 
 def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
@@ -184,6 +191,132 @@ def accuracy_run(cfg: dict[str, Any], variant: str, accumulate: int) -> dict[str
     return {"accumulate": accumulate, "command": command, "wall_s": wall_s}
 
 
+# Analysis, headline, report and plots: from the record alone.
+def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
+    """Per net and accumulation setting: step medians, threads, ratios, SyncBN share, exposed
+    communication (thread-matched) and scaling efficiency against each 1-process baseline."""
+    analysis: dict[str, Any] = {}
+    for net, by_acc in timing.items():
+        for acc, by_variant in by_acc.items():
+            samples = {v: [s for run in runs for s in run["step_s"]] for v, runs in by_variant.items()}
+            two = [v for v in samples if variants[v]["processes"] > 1]
+            row = {"step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
+                   "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
+                   "ratios": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in RATIOS
+                              if a in samples and b in samples},
+                   "exposed_comm_s": {v: asdict(difference_ci(samples[v], samples["single_matched"])) for v in two
+                                      if "single_matched" in samples},
+                   "scaling_efficiency": {b: {v: asdict(ratio_ci(samples[b], samples[v])) for v in two}
+                                          for b in BASELINES if b in samples}}
+            if {"custom_ddp", "custom_ddp_localbn"} <= set(samples):
+                row["syncbn_share"] = asdict(share_ci(samples["custom_ddp_localbn"], samples["custom_ddp"]))
+            analysis.setdefault(net, {})[acc] = row
+    return analysis
+
+
+def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per net, one row per quantity with its value at every accumulation setting; bf16; accuracy."""
+    rows, label = [], lambda v: record["variants"].get(v, {}).get("label", v)  # noqa: E731
+    for net, by_acc in record["analysis"].items():
+        at = f"{net} net, accumulate {' / '.join(by_acc)}"
+
+        def add(what: str, get: Any, unit: str = "") -> None:
+            values = [get(row) for row in by_acc.values()]
+            if any(v is not None for v in values):
+                rows.append(headline_row(f"{what}, {at}", values, unit))
+
+        for a, b in RATIOS[:1] + RATIOS[2:3] + RATIOS[4:]:  # vs ddp default, like for like, bf16 vs fp32
+            add(f"{label(a)} / {label(b)}: step time", lambda r: r["ratios"].get(f"{a}/{b}"), "x")
+        add("SyncBN share of the custom_ddp step (1 - local BN / SyncBN)", lambda r: r.get("syncbn_share"), "%")
+        add("custom_ddp (SyncBN): exposed communication vs 1 process, thread-matched",
+            lambda r: r["exposed_comm_s"].get("custom_ddp"), "s")
+        for base, kind in BASELINES.items():
+            add(f"custom_ddp (SyncBN): scaling efficiency vs 1 process, {kind}",
+                lambda r: r["scaling_efficiency"].get(base, {}).get("custom_ddp"))
+    counted = record.get("collectives") or {"nets": {}}
+    for net, runs in counted["nets"].items():
+        if "custom_ddp_bf16" in runs:
+            fp32, bf16 = (runs[v]["bytes"].get("grad_buckets", 0) for v in ("custom_ddp", "custom_ddp_bf16"))
+            rows.append(headline_row(f"custom_ddp gradient all-reduce bytes per optimizer step, fp32 -> bf16, {net} "
+                                     f"net, accumulate {counted['accumulate']}",
+                                     f"{fmt_bytes(fp32)} -> {fmt_bytes(bf16)} ({bf16 / fp32:.3g}x)"))
+    return rows + [headline_row(f"final test top-1 (%), {label(v)}, template net", a.get("test_acc1"))
+                   for v, a in record["accuracy"].items()]
+
+
+def read_scalars(log_dir: Path, tags: tuple[str, ...] = CURVES) -> dict[str, list[tuple[int, float]]]:
+    """``(step, value)`` series of the wanted TensorBoard tags found in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    present = set(events.Tags()["scalars"])
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag in present}
+
+
+def _tables(record: dict[str, Any]) -> list[str]:
+    """Step time per net and setting; then the collectives per optimizer step by source."""
+    lines, label, collectives = [], lambda v: record["variants"][v]["label"], record["collectives"]  # noqa: E731
+    for net, by_acc in record["analysis"].items():
+        for acc, row in by_acc.items():
+            cells = [[label(v), ", ".join(map(str, row["threads"][v])), fmt_value(step, "s"), step["n"],
+                      fmt_value(row["exposed_comm_s"].get(v), "s"),
+                      *(fmt_value(row["scaling_efficiency"].get(b, {}).get(v)) for b in BASELINES)]
+                     for v, step in row["step_s"].items()]
+            lines += [f"### {net} net (batch {record['config']['nets'][net]['batch_size']} per process), accumulate "
+                      f"{acc}", "", *table(["variant", "threads", "step", "steps", "exposed comm. vs 1 process, "
+                                            "thread-matched", *(f"scaling eff. vs 1 process, {k}" for k in
+                                                                BASELINES.values())], cells), "",
+                      *table(["ratio of median step times", "value [95 % CI]"],
+                             [[k, fmt_value(e)] for k, e in row["ratios"].items()]), "",
+                      f"SyncBN share of the custom_ddp step: {fmt_value(row.get('syncbn_share'), '%')}.", ""]
+    lines += [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
+              "Counted by the profiler on rank 0 (`callbacks.collective_count`), the last of 3 steps; bytes are this "
+              "rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every strategy.", ""]
+    for net, runs in collectives["nets"].items():
+        sources = sorted({s for run in runs.values() for s in run["counts"]})
+        cells = [[source, *(f"{run['counts'].get(source, 0)} / {fmt_bytes(run['bytes'].get(source, 0))}"
+                            for run in runs.values())] for source in sources]
+        cells.append(["**total**", *(f"{sum(run['counts'].values())} / {fmt_bytes(sum(run['bytes'].values()))}"
+                                     for run in runs.values())])
+        lines += [f"### {net}", "", *table(["source", *map(label, runs)], cells), ""]
+    return lines
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """Read the accuracy runs' logs under ``out/tb``, analyse, write results.json/.md and the plots."""
+    cfg, variants = record["config"], record["variants"]
+    curves = {v: {**read_scalars(out / "tb" / v / "fit"), **read_scalars(out / "tb" / v / "test")}
+              for v in record["accuracy"]}
+    for v, log in curves.items():
+        record["accuracy"][v] |= {"test_acc1": 100 * log["test/acc1"][-1][1], "test_loss": log["test/loss"][-1][1]}
+    record["analysis"] = analyse(record["timing"], variants)
+    record["headline"] = headline(record)
+    body = ["## Variants", "", *[f"- **{v['label']}** (`{k}`): {v['description']}" for k, v in variants.items()], "",
+            f"Timing: {cfg['rounds']} rounds per setting; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}.",
+            "", "## Step time", "", *_tables(record), "## Accuracy (same seed, data and schedule; SYNTHETIC data)", "",
+            *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
+                   [[variants[v]["label"], cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
+                     f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
+            f"![step time](step_time.png) ![curves](curves.png) `tensorboard --logdir {cfg['out']}/tb` shows the "
+            "accuracy runs side by side."]
+    write_record(out, record, report(record, TITLE, body))
+    panels = [{"title": f"{net} net", "ylabel": "optimizer step, ms (median)", "scale": 1e3,
+               "groups": [f"accumulate {acc}" for acc in by_acc],
+               "series": {v["label"]: [row["step_s"].get(k) for row in by_acc.values()] for k, v in variants.items()}}
+              for net, by_acc in record["analysis"].items()]
+    plot_estimates(out / "step_time.png", panels, "step time; 2 CPU processes, ddp with local BN on CPU",
+                   record["quietness"]["comparable"])
+    epochs = max((len(series.get("val/loss", [])) for series in curves.values()), default=1)
+    panels = [{"title": f"{title}: SYNTHETIC stand-in data, not CIFAR-100", "ylabel": title, "scale": scale,
+               "groups": [f"epoch {e}" for e in range(1, epochs + 1)],
+               "series": {f"{variants[v]['label']} {tag.split('/')[0]}": [None] * (epochs - len(points)) + [
+                   value for _, value in points] for v, series in curves.items() for tag in tags
+                   for points in [series.get(tag, [])]}}
+              for title, scale, tags in (("loss", 1.0, CURVES[0::2]), ("top-1 accuracy (%)", 100.0, CURVES[1::2]))]
+    plot_estimates(out / "curves.png", panels, "accuracy runs (last epoch: the one-process test)")
+
+
 def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], float]:
     """The runs' shared settings from the command line, and the quiet wait; ``--quick``: one round at
     accumulate 2 of 1 + 3 steps, tiny data, one accuracy epoch."""
@@ -219,8 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     record = make_record("compare", cfg, quiet.finish(), argv=argv, timing=timing, accuracy=accuracy,
                          collectives={"accumulate": max(cfg["accumulates"]), "nets": counted},
                          variants={k: asdict(v) for k, v in VARIANTS.items()})
-    compare_report.write(record, Path(cfg["out"]))
-    print(f"report: {Path(cfg['out']) / 'results.md'}")
+    write(record, Path(cfg["out"]))
     return record
 
 

@@ -118,18 +118,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = make_record("data_pipeline", cfg, quiet.finish(), argv=argv, **measure(cfg))
     record["headline"] = headline(record)
     rates = [[name, fmt_value(e, "images/s")] for name, e in record["images_per_s"].items()]
-    lines = report(record, TITLE, [
+    write_record(args.out, record, report(record, TITLE, [
         f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads {cfg['torch_threads']}; "
         f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: the "
         f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` `Timer.timeit` "
         "samples each (64 single images / 4 batches per sample).", "",
-        *table(["path", "images/s, median [95 % CI]"], rates), "", "![throughput](throughput.png)"])
-    write_record(args.out, record, lines)
+        *table(["path", "images/s, median [95 % CI]"], rates), "", "![throughput](throughput.png)"]))
     plot_estimates(args.out / "throughput.png", [
         {"title": "CIFAR train augmentation, CPU", "ylabel": "images / s (median)", "log": True,
          "groups": list(record["images_per_s"]), "series": {"images/s": list(record["images_per_s"].values())}}],
         TITLE, record["quietness"]["comparable"])
-    print("\n".join(lines))
     return record
 
 

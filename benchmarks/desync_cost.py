@@ -16,11 +16,10 @@ Records times in seconds; the README's results block shows the headline.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from parallel.syncbn import SyncBatchNorm
 
 NETS = {"template": (TemplateNet, 128), "resnet18": (CifarResNet18, 8)}
 MODES = ("off", "detail")
+TITLE = "Cost of desync_check per optimizer step"
 
 
 def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -51,9 +51,7 @@ def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int)
         optimizer.step()
         optimizer.zero_grad()
 
-    for _ in range(warmup):
-        step()
-    times = [harness.aligned_seconds(step) for _ in range(steps)]
+    times = harness.timed_rounds({"step": step}, {"warmup": warmup, "rounds": 1, "iters": steps})["step"]
     collectives = 1 + 2 * sum(isinstance(m, SyncBatchNorm) for m in model.modules()) + len(model.buckets)
     return {"times": times, "collectives": collectives}
 
@@ -69,9 +67,6 @@ def _measure(net: str, mode: str, warmup: int, steps: int) -> dict[str, Any]:
     return {"times": harness.slowest_rank([r["times"] for r in per_rank]), "collectives": per_rank[0]["collectives"]}
 
 
-TITLE = "Cost of desync_check per optimizer step"
-
-
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per net: the step with the check against without it (ratio, and seconds per step and per collective)."""
     rows = []
@@ -84,7 +79,7 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = harness.parser("desync_cost", __doc__)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
@@ -101,11 +96,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                      "cost_s": asdict(harness.difference_ci(on, off)), "ratio": asdict(harness.ratio_ci(on, off))})
     record = harness.make_record("desync_cost", {"rounds": rounds, "steps": steps}, quiet.finish(), argv, rows=rows)
     record["headline"] = headline(record)
-    lines = harness.report(record, TITLE, [])
-    harness.write_record(args.out, record, lines)
-    print("\n".join(lines))
+    harness.write_record(args.out, record, harness.report(record, TITLE, []))
     return record
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

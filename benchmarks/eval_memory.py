@@ -85,11 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
                          argv=argv, eval_set_bytes=num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(),
                          wall_s=time.perf_counter() - started, ranks=ranks)
     record["headline"] = headline(record)
-    lines = report(record, TITLE, [
+    write_record(args.out, record, report(record, TITLE, [
         f"{num_samples} float32 samples of {_SAMPLE_SHAPE}. Before scatter-by-indices (tree 23514fd, which sent the "
-        "samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 +130.0 MiB."])
-    write_record(args.out, record, lines)
-    print("\n".join(lines))
+        "samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 +130.0 MiB."]))
     return record
 
 

@@ -5,14 +5,14 @@
     samples = interleave(["a", "b"], rounds=5, run=measure)     # a b / b a / a b ...: drift hits both
     record = make_record("demo", config, quiet.finish(), argv, samples=samples)
     record["headline"] = [headline_row("a / b", ratio_ci(samples["a"], samples["b"]), "x", target=1.2)]
-    write_record(args.out, record, report(record, "Demo", body))  # results.json + results.md
+    write_record(args.out, record, report(record, "Demo", body))  # results.json + results.md, report on stdout
 
 Intervals, quietness, peak memory and barrier-aligned times come from the Lightning-free
 measurement modules the callbacks use too (:mod:`callbacks.stats`, ``run_info``, ``memory``,
 ``timing``). Records keep times in **seconds**, memory in **bytes**, estimates as ``{"value", "low",
 "high", "n"}``, verdicts as values and each run's intra-op threads. Each benchmark derives analysis,
-``headline(record)`` and report in ONE module: ``benchmarks/<name>_report.py``, else
-``benchmarks/<name>.py``. ``--quick`` never writes into ``benchmarks/results/``.
+``headline(record)`` and report in ONE module, its own ``benchmarks/<name>.py``. ``--quick``
+never writes into ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -178,10 +178,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def write_record(out_dir: Path, record: dict[str, Any], markdown: Sequence[str]) -> None:
-    """``results.json`` (strict JSON, NaN as null) and ``results.md`` in ``out_dir``."""
+    """``results.json`` (strict JSON, NaN as null) and ``results.md`` in ``out_dir``; the report also on stdout."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(to_jsonable(record), indent=1, allow_nan=False) + "\n")
     (out_dir / "results.md").write_text("\n".join(markdown) + "\n")
+    print("\n".join(markdown) + f"\n\nwrote {out_dir / 'results.json'} and results.md", flush=True)
 
 
 def plot_estimates(path: Path, panels: Sequence[dict[str, Any]], title: str, comparable: bool = True) -> None:

@@ -25,16 +25,9 @@ RESULTS, README = Path(__file__).resolve().parent / "results", Path(__file__).re
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
-def _analysis_module(name: str) -> Any:
-    """``benchmarks.<name>_report`` or ``benchmarks.<name>``, the first that defines ``headline``; else None."""
-    for module in (f"benchmarks.{name}_report", f"benchmarks.{name}"):
-        if importlib.util.find_spec(module) and hasattr(found := importlib.import_module(module), "headline"):
-            return found
-    return None
-
-
 def _section(name: str, record: dict[str, Any]) -> list[str]:
-    module = _analysis_module(name)
+    """Rows from ``benchmarks.<name>``'s ``headline(record)``; the stored rows of a benchmark without a module."""
+    module = importlib.import_module(f"benchmarks.{name}") if importlib.util.find_spec(f"benchmarks.{name}") else None
     quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
     return [f"**{getattr(module, 'TITLE', name)}** ([report](benchmarks/results/{name}/results.md)): "

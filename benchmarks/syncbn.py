@@ -66,9 +66,8 @@ def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[st
 
 
 def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, Any]:
-    device = torch.device("cpu")
-    if cfg["device"] == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     names = cfg.get("methods")
     out = [{"samples": timed_rounds({name: fn for name, fn in _methods(tuple(shape), device, rank).items()
@@ -105,15 +104,13 @@ def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[
     return {"shape": list(shape), "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
             "ratios": {f"custom/{name}": asdict(ratio_ci(samples["custom"], samples[name]))
                        for name in samples if name != "custom"},
-            "peak_bytes": {name: max(rank["peak_bytes"][name] for rank in per_rank)
-                           for name in per_rank[0].get("peak_bytes", {})},
+            "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
             "samples_s": samples}
 
 
 def _judged(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[tuple[dict, str, float]]:
     """(row, verdict, target) of ``key`` for every row, the target by shape kind."""
-    return [(row, verdict(row["ratios"][key], targets[shape_kind(row["shape"])]), targets[shape_kind(row["shape"])])
-            for row in rows]
+    return [(row, verdict(row["ratios"][key], t), t) for row in rows for t in [targets[shape_kind(row["shape"])]]]
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -208,7 +205,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
                          one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
     write(record, args.out)
-    print((args.out / "results.md").read_text())
     return record
 
 

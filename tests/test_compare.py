@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare import MATCHED_THREADS, VARIANTS, parse_config, variants_for
-from benchmarks.compare_report import analyse, headline
+from benchmarks.compare import MATCHED_THREADS, VARIANTS, analyse, headline, parse_config, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
