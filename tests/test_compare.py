@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare import MATCHED_THREADS, VARIANTS, analyse, headline, parse_config, variants_for
+from benchmarks.compare import analyse, headline, parse_config
+from benchmarks.compare_runs import MATCHED_THREADS, VARIANTS, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,159 @@
+"""How compare drives its runs: fresh ``python train.py fit`` processes, as a user types them, per
+variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import slowest_rank
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
+BASE_CONFIG = "configs/cifar100_template_net.yaml"
+_CUSTOM, _DDP = "strategies.custom_ddp.CustomDDPStrategy", "lightning.pytorch.strategies.DDPStrategy"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compared configuration: a label, what it is, its ``train.py`` strategy flags, where it runs."""
+
+    label: str
+    description: str
+    flags: tuple[str, ...]
+    processes: int = 2
+    threads: int | None = None  # OMP_NUM_THREADS of the run; None: the launcher's or torch's default
+    nets: tuple[str, ...] = ("template", "resnet18")
+
+
+def _flag(name: str, value: object) -> str:
+    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def _strategy(path: str, **options: object) -> tuple[str, ...]:
+    return (_flag("trainer.strategy", path), *(_flag(f"trainer.strategy.{k}", v) for k, v in options.items()))
+
+
+VARIANTS: dict[str, Variant] = {
+    "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
+                          "sync (25 MiB buckets), no buffer broadcast", _strategy(_CUSTOM, sync_batchnorm=True)),
+    "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU",
+                                  _strategy(_CUSTOM, sync_batchnorm=False)),
+    "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: gradient_as_bucket_view=False, "
+                           "forward_sync_buffers=True (rank 0's BN buffers broadcast every forward)",
+                           _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True)),
+    "ddp_tuned": Variant("ddp tuned (local BN)", "gradient_as_bucket_view=True, forward_sync_buffers=False",
+                         _strategy(_DDP, gradient_as_bucket_view=True, forward_sync_buffers=False)),
+    "custom_ddp_bf16": Variant("custom_ddp (SyncBN), bf16 gradients", "grad_compression=bf16: buckets all-reduced "
+                               "in bfloat16", _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
+                               nets=("resnet18",)),
+    "single_matched": Variant(f"1 process, {MATCHED_THREADS} thread{'s' * (MATCHED_THREADS > 1)}", "thread-matched "
+                              "to each 2-process rank: no communication", _strategy("auto"), 1, MATCHED_THREADS),
+    "single": Variant("1 process, all cores", "torch's default threads: what a user of this machine would run "
+                      "instead", _strategy("auto"), 1),
+}
+
+
+def variants_for(net: str) -> list[str]:
+    """The variants timed on ``net``, in the interleaving order."""
+    return [name for name, variant in VARIANTS.items() if net in variant.nets]
+
+
+def _call(command: list[str], log: Path, timeout_s: float, threads: int | None) -> float:
+    """Run ``command`` from the repository root, output to ``log``; raise with its tail on failure."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | (
+        {"OMP_NUM_THREADS": str(threads)} if threads else {})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("$ " + shlex.join(command) + "\n")
+    start = time.perf_counter()
+    with open(log, "a") as out:  # a run past ``timeout_s`` raises subprocess.TimeoutExpired, naming the command
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"run failed ({code}): {shlex.join(command)}\nlast lines of {log}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, flags: dict[str, object],
+         *callback: str) -> tuple[str, float]:
+    """``train.py fit`` of ``variant`` with the shared flags, ``flags`` and ``callback``; its command and wall time."""
+    v = VARIANTS[variant]
+    shared = {"config": BASE_CONFIG, "seed_everything": 0, "model.net": net, "data.dataset": "synthetic",
+              "data.batch_size": cfg["nets"][net]["batch_size"], "data.val_size": 0.1,
+              "data.synthetic_train_size": cfg["train_size"], "data.synthetic_test_size": cfg["test_size"],
+              "trainer.accelerator": "cpu", "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
+    kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
+    own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
+    command = [sys.executable, "train.py", "fit", *(_flag(k, x) for k, x in (shared | kwargs).items()), *v.flags,
+               *(_flag(k, x) for k, x in own.items()), *callback]
+    wall_s = _call(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], v.threads)
+    return shlex.join(command[1:]), wall_s
+
+
+def _short_fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, steps: int,
+               *callback: str) -> tuple[str, float, Path]:
+    """One epoch of ``steps`` optimizer steps (no validation, checkpoint or logger) in ``out/work/<name>``;
+    ``callback`` replaces the base config's (a checkpoint and an LR monitor need what is off here)."""
+    run_dir = Path(cfg["out"], "work", name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return *_fit(cfg, net, variant, accumulate, name, {
+        "trainer.max_epochs": 1, "trainer.limit_train_batches": accumulate * steps, "trainer.limit_val_batches": 0,
+        "trainer.num_sanity_val_steps": 0, "trainer.enable_checkpointing": False, "trainer.logger": False,
+        "trainer.default_root_dir": run_dir}, *callback), run_dir
+
+
+def timing_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
+    """One short timed fit: command, wall time, intra-op threads and per-step seconds (the slowest rank's)."""
+    setting = cfg["nets"][net]
+    command, wall_s, run_dir = _short_fit(
+        cfg, net, variant, accumulate, f"{net}_{variant}_acc{accumulate}", setting["warmup_steps"] + setting["steps"],
+        "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps",
+                                                                setting["warmup_steps"]))
+    monitor = json.loads((run_dir / "benchmark.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": command, "wall_s": wall_s, "threads": monitor["run"]["intra_op_threads"],
+            "step_s": slowest_rank(monitor["step_s_per_rank"]), "recorded": monitor["run"]}
+
+
+def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
+    """Rank 0's collectives and bytes by source in the last of 3 optimizer steps (its ``accumulate``
+    micro-batches, the loop's SIGTERM broadcasts included): exact, hardware-independent counts."""
+    name = f"{net}_{variant}_acc{accumulate}_collectives"
+    command, _, run_dir = _short_fit(cfg, net, variant, accumulate, name, 3, "--trainer.callbacks=callbacks.Collective"
+                                     "Counter", _flag("trainer.callbacks.out_dir", Path(cfg["out"], "work", name)))
+    windows = [w for w in json.loads((run_dir / "collectives_rank0.json").read_text()) if w["batch_idx"] is not None]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"command": command, **{key: dict(sum((Counter(w[key]) for w in windows[-accumulate:]), Counter()))
+                                   for key in ("counts", "bytes")}}
+
+
+def accuracy_run(cfg: dict[str, Any], variant: str, accumulate: int) -> dict[str, Any]:
+    """The template net's full schedule, TensorBoard logs under ``out/tb/<variant>``; then ONE process
+    tests its last checkpoint (no sampler padding, no strategy-specific evaluation path)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_cifar.data import CIFAR100DataModule
+    from lit_cifar.module import LitClassifier
+
+    tb_root = Path(cfg["out"], "tb")
+    shutil.rmtree(tb_root / variant, ignore_errors=True)
+    command, wall_s = _fit(cfg, "template", variant, accumulate, f"{variant}_accuracy", {
+        "trainer.max_epochs": cfg["accuracy_epochs"], "trainer.logger": "lightning.pytorch.loggers.TensorBoardLogger",
+        "trainer.logger.save_dir": tb_root, "trainer.logger.name": variant, "trainer.logger.version": "fit"})
+    checkpoint = tb_root / variant / "fit" / "checkpoints" / "last.ckpt"
+    trainer = Trainer(accelerator="cpu", devices=1, logger=TensorBoardLogger(tb_root, name=variant, version="test"),
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.test(LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu"),
+                 datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint), verbose=False)
+    shutil.rmtree(checkpoint.parent, ignore_errors=True)
+    return {"accumulate": accumulate, "command": command, "wall_s": wall_s}
