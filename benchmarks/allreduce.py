@@ -17,8 +17,7 @@ Part 2: ``dist.all_reduce`` of 1 MiB-1 GiB float32 on 2, 4, 6 processes (gloo; `
 NCCL, one GPU per rank): latency, algorithm bandwidth bytes / time and bus bandwidth algbw *
 2(N-1)/N (nccl-tests' definition); what does not fit in memory is skipped and recorded; each
 configuration runs in its own process group under a 5-minute limit. One intra-op thread per
-process. ``torch.utils.benchmark`` would put the ranks' collectives out of step (per-process block
-sizes and warm-up calls). Analysis, headline and report: this module.
+process. Analysis, headline and report: this module.
 """
 
 from __future__ import annotations

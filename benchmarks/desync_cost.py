@@ -10,8 +10,6 @@ quickstart's template net (batch 128 per rank, 1 BatchNorm layer) and CIFAR ResN
 per rank, 20 BatchNorm layers: the per-collective cost shows)::
 
     python -m benchmarks.desync_cost          # about 2 minutes on 2 cores
-
-Records times in seconds; the README's results block shows the headline.
 """
 
 from __future__ import annotations
@@ -69,14 +67,10 @@ def _measure(net: str, mode: str, warmup: int, steps: int) -> dict[str, Any]:
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per net: the step with the check against without it (ratio, and seconds per step and per collective)."""
-    rows = []
-    for r in record["rows"]:
-        what = f"{r['net']} (batch {r['batch']} per rank, {r['collectives']} collectives per step)"
-        rows += [harness.headline_row(f"{what}: step with desync_check / without", r["ratio"], "x"),
-                 harness.headline_row(f"{what}: added time per step", r["cost_s"], "s"),
-                 harness.headline_row(f"{what}: added time per collective", r["cost_s"]["value"] / r["collectives"],
-                                      "s")]
-    return rows
+    return [harness.headline_row(f"{r['net']} (batch {r['batch']} per rank, {r['collectives']} collectives per "
+                                 f"step): {what}", value, unit) for r in record["rows"] for what, value, unit in (
+        ("step with desync_check / without", r["ratio"], "x"), ("added time per step", r["cost_s"], "s"),
+        ("added time per collective", r["cost_s"]["value"] / r["collectives"], "s"))]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

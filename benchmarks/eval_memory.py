@@ -55,14 +55,10 @@ class _LargeEvalModule(pl.LightningModule):
 
 
 def headline(record: dict) -> list[dict]:
-    """Each rank's peak RSS growth while validating the set (records before issue 16 hold MiB, no threads)."""
-    set_bytes, rows = record.get("eval_set_bytes") or record["headline"]["eval_set_mib"] * _MIB, []
-    for r in record["ranks"]:
-        threads = f" ({r['threads']} intra-op threads)" if "threads" in r else ""
-        growth = r.get("peak_growth_bytes", r.get("peak_growth_mib", 0) * _MIB)
-        rows.append(headline_row(f"rank {r['rank']}{threads}: peak RSS growth while validating {fmt_bytes(set_bytes)} "
-                                 "under custom_ddp", growth, "B"))
-    return rows
+    """Each rank's peak RSS growth while validating the set."""
+    return [headline_row(f"rank {r['rank']} ({r['threads']} intra-op threads): peak RSS growth while validating "
+                         f"{fmt_bytes(record['eval_set_bytes'])} under custom_ddp", r["peak_growth_bytes"], "B")
+            for r in record["ranks"]]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,15 +5,13 @@
 
 Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (SGD, momentum, a
 fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, bf16 wire
-compression and ZeRO-1, against the anchors every ratio names, ``ddp_default`` (buffers broadcast
-every forward) and ``ddp_tuned`` (``gradient_as_bucket_view=True, forward_sync_buffers=False``).
-``no_comm`` (the same wrapper, same two ranks, inside ``no_sync()``: thread-matched, sharing the
-cores) is the baseline of exposed communication = step - no_comm step, which also charges the
-compute gloo's reductions slow down (the ``finish()`` wait is a diagnostic only);
-``single_all_cores`` (one process, every core, one rank's batch) is what a user would run instead:
-speed-up = 2 x its step / step. Fresh processes per variant and round, interleaved; a step starts
-after a barrier and takes the slower rank's time. Untimed: peak memory over building and a few
-steps, one step's collectives by source, ZeRO-1's AdamW state per rank at 2 and 4 ranks.
+compression and ZeRO-1, against ``ddp_default`` (buffers broadcast every forward) and ``ddp_tuned``
+(``gradient_as_bucket_view=True, forward_sync_buffers=False``). Exposed communication = step -
+``no_comm`` step (same wrapper and ranks inside ``no_sync()``: thread-matched; it also charges the
+compute gloo's reductions slow down); speed-up = 2 x ``single_all_cores`` step (one process, every
+core, one rank's batch: what a user would run instead) / step. Fresh processes per variant and
+round, interleaved; a step starts after a barrier and takes the slower rank's time. Untimed: peak
+memory, one step's collectives by source, ZeRO-1's AdamW state per rank at 2 and 4 ranks.
 """
 
 from __future__ import annotations

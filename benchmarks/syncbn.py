@@ -9,7 +9,8 @@ Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one f
 then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
 on CUDA ``torch_syncbn``; targets custom <= 1.2x floor (CPU), <= 0.9x torch_syncbn (CUDA). The
 kernel alone, on ONE rank: custom vs torch's BatchNorm, targets <= 1.10 (conv) and <= 1.5 (N, C),
-where a Python kernel's ~30 torch calls cost more than the arithmetic. Interleaved rounds of
+where a Python kernel's ~30 torch calls cost more than the arithmetic (``python_floor``, an
+autograd.Function copying x and the gradient: what any Python kernel pays). Interleaved rounds of
 barrier-aligned iterations, each sample the slowest rank's (``torch.utils.benchmark`` would put
 the ranks' collectives out of step). Peak memory of one forward+backward: CPU peak RSS (freed
 tensors unmapped), CUDA allocator peak. Analysis, headline and report: this module.
@@ -45,12 +46,24 @@ TITLE = "SyncBatchNorm: forward+backward time and peak memory"
 KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
 
 
-def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[str, Callable[[], None]]:
-    """One forward+backward per method on this rank's fixed input."""
+class _PythonFloor(nn.Module):
+    """A layer whose autograd.Function copies x and the gradient: the overhead of any Python kernel."""
+
+    class _Copy(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, x: x.clone())
+        backward = staticmethod(lambda ctx, grad: grad.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._Copy.apply(x)
+
+
+def _methods(shape: list[int], device: torch.device, rank: int, names: list[str]) -> dict[str, Callable[[], None]]:
+    """One forward+backward per method of ``names`` on this rank's fixed input."""
     generator = torch.Generator().manual_seed(rank)
     x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
     stats, local = torch.zeros(2 * shape[1] + 1, device=device), nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
-    layers = {"custom": SyncBatchNorm(shape[1]), "local": local(shape[1]), "floor": local(shape[1])} | (
+    layers = {"custom": SyncBatchNorm(shape[1]), "local": local(shape[1]), "floor": local(shape[1]),
+              "python_floor": _PythonFloor()} | (
         {"torch_syncbn": nn.SyncBatchNorm(shape[1])} if device.type == "cuda" else {})
 
     def fwd_bwd(name: str, layer: nn.Module) -> Callable[[], None]:
@@ -62,27 +75,25 @@ def _methods(shape: tuple[int, ...], device: torch.device, rank: int) -> dict[st
 
         return run
 
-    return {name: fwd_bwd(name, layer.to(device)) for name, layer in layers.items()}
+    return {name: fwd_bwd(name, layer.to(device)) for name, layer in layers.items() if name in names}
 
 
 def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, Any]:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg["device"] == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    names = cfg.get("methods")
-    out = [{"samples": timed_rounds({name: fn for name, fn in _methods(tuple(shape), device, rank).items()
-                                     if names is None or name in names}, cfg, device)} for shape in shapes]
+    out = [{"samples": timed_rounds(_methods(shape, device, rank, cfg["methods"]), cfg, device)} for shape in shapes]
     if cfg.get("memory", True):
         # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
         # each allocation instead of reused heap pages.
         if device.type == "cpu":
             return_freed_memory_above(128 * 1024)
         for result, shape in zip(out, shapes):
-            methods = _methods(tuple(shape), device, rank)
-            for fn in methods.values():  # lazy initialisation is not the layer's memory
+            fns = _methods(shape, device, rank, cfg["methods"])
+            for fn in fns.values():  # lazy initialisation is not the layer's memory
                 fn()
             result["peak_bytes"] = {}
-            for name, fn in methods.items():
+            for name, fn in fns.items():
                 dist.barrier()
                 result["peak_bytes"][name] = measure_peak(fn, device)[1]
     return {"shapes": out, "threads": torch.get_num_threads()}
@@ -103,7 +114,8 @@ def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[
     samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
     return {"shape": list(shape), "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
             "ratios": {f"custom/{name}": asdict(ratio_ci(samples["custom"], samples[name]))
-                       for name in samples if name != "custom"},
+                       for name in samples if name != "custom"} | ({"python_floor/local": asdict(ratio_ci(
+                           samples["python_floor"], samples["local"]))} if "python_floor" in samples else {}),
             "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
             "samples_s": samples}
 
@@ -134,6 +146,11 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
                     headline_row(f"{what}: {label} shapes meeting <= {target:g}",
                                  f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided "
                                  f"of {len(judged)}")]
+    floors = [r for r in record.get("one_rank_rows", []) if "python_floor/local" in r["ratios"]]
+    if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
+        worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
+        out.append(headline_row(f"Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst "
+                                f"shape ({_shape(worst)})", worst["ratios"]["python_floor/local"], "x"))
     return out
 
 
@@ -193,10 +210,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     start = time.monotonic()
     launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
-    per_rank = run_workers(_worker, args.world_size, args=(shapes, cfg), **launch)
+    per_rank = run_workers(_worker, args.world_size, args=(
+        shapes, cfg | {"methods": ("custom", "local", "floor", "torch_syncbn")}), **launch)
     # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
-    (one_rank,) = run_workers(_worker, 1, args=(shapes, cfg | {"methods": ("custom", "local"), "memory": False}),
-                              **launch)
+    (one_rank,) = run_workers(_worker, 1, args=(
+        shapes, cfg | {"methods": ("custom", "local", "python_floor"), "memory": False}), **launch)
     baseline, target = TARGETS[args.device]
     config = cfg | {"world_size": args.world_size, "backend": backend, "threads": per_rank[0]["threads"],
                     "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,

@@ -49,7 +49,11 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     assert (tmp_path / "syncbn.png").exists()
     # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
     (one_rank,) = saved["one_rank_rows"]
-    assert set(one_rank["ratios"]) == {"custom/local"} and len(one_rank["samples_s"]["custom"]) == 4
+    assert set(one_rank["ratios"]) == {"custom/local", "custom/python_floor", "python_floor/local"}
+    assert len(one_rank["samples_s"]["custom"]) == 4
+    # The Python autograd.Function floor: what any hand-written kernel pays before its arithmetic.
+    floor = next(r for r in saved["headline"] if r["what"].startswith("Python autograd.Function floor"))
+    assert floor["value"]["value"] > 0 and "verdict" not in floor
     worst = next(r for r in saved["headline"] if r["what"].startswith("SyncBN kernel / torch BatchNorm, 1 rank: worst"))
     assert worst["target"] == "<= 1.5" and worst["verdict"] in ("met", "missed", "undecided")
     assert "custom vs torch's BatchNorm" in (tmp_path / "results.md").read_text()
@@ -117,8 +121,8 @@ def test_data_pipeline_quick_run(tmp_path: Path) -> None:
     assert (tmp_path / "throughput.png").exists()
 
 
-def test_readme_rows_of_records_before_issue_16():
-    """eval_memory's committed record holds MiB; its rows still come out in bytes."""
-    record = {"headline": {"eval_set_mib": 260.0}, "ranks": [{"rank": 0, "peak_growth_mib": 24.5}]}
-    (row,) = eval_memory.headline(record)
-    assert row["value"] == 24.5 * 2**20 and row["unit"] == "B" and "260 MiB" in row["what"]
+
+def test_eval_memory_rows_of_the_committed_record():
+    record = json.loads(Path(eval_memory.__file__).with_name("results").joinpath("eval_memory/results.json").read_text())
+    rows = eval_memory.headline(record)
+    assert len(rows) == len(record["ranks"]) and all(r["unit"] == "B" and "threads" in r["what"] for r in rows)

@@ -61,17 +61,6 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     assert rows["final test top-1 (%), custom_ddp (SyncBN), template net"]["value"] == 80.0
 
 
-def test_a_record_from_before_issue_16_still_heads_the_readme():
-    """One net, one 1-process baseline at torch's default threads: efficiency is labelled all cores,
-    and no exposed communication is claimed against a baseline that was not thread-matched."""
-    record = json.loads((REPO_ROOT / "benchmarks/results/compare/results.json").read_text())
-    if "timing" in record:
-        pytest.skip("the committed compare record is already in today's layout")
-    whats = [r["what"] for r in headline(record)]
-    assert any("scaling efficiency vs 1 process, all cores" in w for w in whats)
-    assert not any("exposed communication" in w or "thread-matched" in w for w in whats)
-
-
 def test_variants_and_threads():
     assert variants_for("template") == ["custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned",
                                         "single_matched", "single"]
