@@ -146,11 +146,12 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
                     headline_row(f"{what}: {label} shapes meeting <= {target:g}",
                                  f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided "
                                  f"of {len(judged)}")]
-    floors = [r for r in record.get("one_rank_rows", []) if "python_floor/local" in r["ratios"]]
+    floors = [r for r in record.get("one_rank_rows", []) if "python_floor/local" in r["ratios"] and
+              shape_kind(r["shape"]) == "nc"]
     if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
         worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
         out.append(headline_row(f"Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst "
-                                f"shape ({_shape(worst)})", worst["ratios"]["python_floor/local"], "x"))
+                                f"(N, C) shape ({_shape(worst)})", worst["ratios"]["python_floor/local"], "x"))
     return out
 
 

@@ -99,17 +99,10 @@ def sync_batch_norm(
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        momentum: float,
-        eps: float,
-        group: dist.ProcessGroup | None,
-        world_size: int,
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+        running_var: Tensor | None, momentum: float, eps: float, group: dist.ProcessGroup | None, world_size: int,
     ) -> Tensor:
+        # The arguments of sync_batch_norm, which documents them.
         local_count = x.numel() // x.shape[1]
         channel_shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
         buf, moments = _batch_moments(x, local_count, channel_shape, group, world_size)
