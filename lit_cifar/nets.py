@@ -7,6 +7,7 @@ ResNet). :func:`build_net` maps the names used in configs to constructors.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -109,7 +110,11 @@ def build_net(name: str, num_classes: int = 100, **kwargs: Any) -> nn.Module:
     """Construct a net by its config name (``template`` or ``resnet18``) with its own keyword args."""
     if name not in NETS:
         raise OptionError(f"unknown net {name!r}; choose one of {sorted(NETS)}.")
-    try:
-        return NETS[name](num_classes=num_classes, **kwargs)
-    except TypeError as err:
-        raise TypeError(f"bad net_kwargs {kwargs} for net {name!r}: {err}") from err
+    # Checked against the signature, not by catching TypeError: a TypeError raised inside the
+    # constructor is a bug to show whole, not a bad option.
+    accepted = [arg for arg in inspect.signature(NETS[name]).parameters if arg != "num_classes"]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise OptionError(f"model.net_kwargs {kwargs}: net {name!r} takes no {', '.join(map(repr, unknown))}; "
+                          f"it takes {accepted}, e.g. --model.net_kwargs='{{\"{accepted[0]}\": ...}}'.")
+    return NETS[name](num_classes=num_classes, **kwargs)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torchvision.models import resnet18
 
+from lit_cifar.errors import OptionError
 from lit_cifar.nets import CifarResNet18, TemplateNet, build_net
 
 
@@ -49,7 +50,7 @@ def test_build_net_and_its_errors() -> None:
     assert build_net("resnet18", num_classes=10, width=0.25).fc.out_features == 10
     with pytest.raises(ValueError, match="choose one of"):
         build_net("vgg")
-    with pytest.raises(TypeError, match="net_kwargs"):
+    with pytest.raises(OptionError, match=r"net 'template' takes no 'width'; it takes \['dropout'\]"):
         build_net("template", width=2.0)
     with pytest.raises(ValueError, match="width"):
         CifarResNet18(width=0.001)

@@ -288,9 +288,11 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
         # The data's and the model's own checks (OptionError), raised while LightningCLI builds them.
         (("--data.batch_size=0",), "batch_size (0) and eval_batch_size (500) must be >= 1."),
         (("--model.net=foo",), "unknown net 'foo'; choose one of ['resnet18', 'template']."),
+        (("--model.net_kwargs={\"widht\": 0.5}",),
+         "model.net_kwargs {'widht': 0.5}: net 'template' takes no 'widht'; it takes ['dropout']"),
     ],
     ids=["strategy-check", "strategy-timeout", "strategy-literal", "data-literal", "strategy-union", "data-check",
-         "model-check"],
+         "model-check", "net-kwargs"],
 )
 def test_a_bad_option_is_reported_in_one_line(capsys: pytest.CaptureFixture, options: tuple[str, ...],
                                               reason: str) -> None:
