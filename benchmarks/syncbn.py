@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,8 @@ class _PythonFloor(nn.Module):
         return self._Copy.apply(x)
 
 
-def _methods(shape: list[int], device: torch.device, rank: int, names: list[str]) -> dict[str, Callable[[], None]]:
+def _methods(shape: Sequence[int], device: torch.device, rank: int,
+             names: Collection[str]) -> dict[str, Callable[[], None]]:
     """One forward+backward per method of ``names`` on this rank's fixed input."""
     generator = torch.Generator().manual_seed(rank)
     x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
