@@ -69,6 +69,7 @@ from parallel.zero import ShardedOptimizer
 from strategies.desync import check_desync_option, enable_desync_check, report_desync
 from strategies.evaluation import ScatteredEvaluation
 from strategies.evaluation_hooks import ScatterEvaluationHooks
+from strategies.launchers import one_stage_launcher
 from strategies.layer_sync import CustomSyncBatchNorm
 from strategies.options import as_timedelta, check_options, check_syncbn_group_size, is_mean_op
 from strategies.preemption import Preemption
@@ -249,25 +250,16 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
             self._syncbn_group = (dist.group.WORLD, plugin)
         return self._syncbn_group[1]
 
+    @property
+    def running_stage(self) -> Optional[TrainerFn]:
+        """The trainer call between this strategy's setup and teardown (``None`` between calls)."""
+        return self._running_stage
+
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        launch = self._launcher.launch
-
-        def launch_one_stage_at_a_time(function: Any, *args: Any, **kwargs: Any) -> Any:
-            # A trainer.validate/test/fit/predict called from a hook or callback while another runs
-            # would re-launch the processes from inside a rank (Lightning's fork launcher then fails
-            # with an unrelated CUDA message, one process with an AssertionError). Every rank makes
-            # the same call at the same point, so every rank raises this one error there.
-            if self._running_stage is not None:
-                called = kwargs["trainer"].state.fn.value if kwargs.get("trainer") is not None else "<stage>"
-                raise RuntimeError(f"custom_ddp: trainer.{called}() was called while trainer."
-                                   f"{self._running_stage.value}() is running (from a hook or callback). Lightning "
-                                   "runs one stage at a time: call it after the running one returns, e.g. after "
-                                   "trainer.fit(...) in your script.")
-            return launch(function, *args, **kwargs)
-
-        self._launcher.launch = launch_one_stage_at_a_time
+        # DDPStrategy's choice of launcher, subclassed to refuse a stage started inside another.
+        assert self.cluster_environment is not None
+        self._launcher = one_stage_launcher(self, self._start_method)
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
