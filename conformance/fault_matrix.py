@@ -33,8 +33,8 @@ from typing import Any, Optional
 import torch
 
 from conformance import fault_matrix_report
-from callbacks.run_info import environment
-from collectives.launcher import without_launch_variables
+from measure.run_info import environment
+from benchmarks.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"

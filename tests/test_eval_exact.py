@@ -23,8 +23,8 @@ from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from conformance.patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, \
     ValidateInsideFit, dataset
-from callbacks.collective_count import count_collectives
-from collectives.launcher import run_workers
+from measure.collective_count import count_collectives
+from benchmarks.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.scatter_eval import shard_loader
 

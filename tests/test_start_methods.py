@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-from collectives.launcher import without_launch_variables
+from benchmarks.launcher import without_launch_variables
 from strategies.custom_ddp import CustomDDPStrategy
 
 pytestmark = pytest.mark.distributed
