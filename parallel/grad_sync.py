@@ -20,6 +20,14 @@ accumulate in place into the memory that is all-reduced. Modes, for comparison:
 - ``flat``: one all-reduce of all gradients (one bucket per dtype), started by :meth:`finish`.
 - ``per_param``: one blocking all-reduce per parameter, run by :meth:`finish`.
 
+Gradients are final when backward returns, as with torch DDP: the first gradient hook of a
+synced backward queues :meth:`finish` as an autograd-engine callback (run once the whole graph is
+done, before ``backward()`` returns), so code right after ``backward()`` (Lightning's
+``on_after_backward``, clipping, code after ``manual_backward``) reads the rank average, never a
+buffer an all-reduce is still writing. Calling :meth:`finish` again is a no-op; it remains the way
+to join when this rank's backward produced no gradient at all. Two synced backward passes in one
+step (without ``no_sync``) are each averaged and add up, as in one process.
+
 Every rank launches buckets in the same fixed order: a bucket whose gradients are ready waits
 for the buckets before it, because collectives are matched by issue order. Buckets that are not
 complete at :meth:`finish` (parameters unused in this backward) are launched there, with zeros
@@ -44,6 +52,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets
 from parallel.dist_utils import broadcast_module_state, group_world_size
@@ -141,6 +150,7 @@ class SyncedDataParallel(nn.Module):
         ]
         self._sync_enabled = True
         self._armed = False  # a synced forward/backward ran since the last finish()
+        self._finish_queued = False  # finish() waits as a callback at the end of this backward
         self._next_launch = 0  # index of the first bucket not launched yet
 
     @property
@@ -214,6 +224,7 @@ class SyncedDataParallel(nn.Module):
             bucket.reset()
         self._next_launch = 0
         self._armed = False
+        self._finish_queued = False
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters (before unwrapping it)."""
@@ -231,13 +242,19 @@ class SyncedDataParallel(nn.Module):
         if not self._sync_enabled:
             return
         self._armed = True
+        if not self._finish_queued:
+            # Runs once autograd has executed the whole graph, before backward() returns (torch DDP's
+            # reducer queues its finalizer the same way).
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self.finish)
         if self._mode not in MODES_LAUNCHED_FROM_HOOKS:
             return
         if bucket.launched:  # the all-reduce is reading this buffer right now
             raise RuntimeError(
                 f"A gradient arrived for a bucket whose all-reduce already started (bucket "
-                f"{bucket.index}): call finish() after each synced backward, and run extra "
-                "backward passes of the same step inside no_sync()."
+                f"{bucket.index}): a parameter produced its gradient twice in one backward "
+                "(a nested backward, e.g. reentrant activation checkpointing around it); use "
+                "torch.utils.checkpoint(..., use_reentrant=False)."
             )
         if bucket.ready[slot]:
             return

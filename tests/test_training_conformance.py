@@ -1,0 +1,43 @@
+"""Training conformance: every pattern of ``conformance.training_patterns`` gives its truth under ``custom_ddp``.
+
+2 CPU ranks (fork + gloo). The truth is one process on the global batch, or Lightning's ``ddp``
+(rank 0's state: what its checkpoint holds) where per-rank state is part of the pattern. Every rank
+of ``custom_ddp`` must hold that state (within float rounding) and the ranks must agree bitwise.
+The same runs generate the README's training table (``python -m conformance.training_table``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.training_patterns import PATTERNS
+from conformance.training_runs import compare, fit_pattern
+
+pytestmark = pytest.mark.distributed
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+@pytest.mark.parametrize("name", [name for name in PATTERNS if not PATTERNS[name].slow])
+def test_custom_ddp_trains_every_pattern_to_its_truth_with_identical_ranks(name: str) -> None:
+    pattern = PATTERNS[name]
+    truth = fit_pattern(pattern, pattern.truth)
+    result = compare(fit_pattern(pattern, "custom_ddp"), truth)
+    dtype = next(v.dtype for v in truth[0]["state"].values() if v.is_floating_point())
+    assert result["max_diff"] <= TOLERANCE[dtype], result
+    assert result["ranks_agree"], result
+
+
+def test_on_after_backward_sees_ddps_averaged_gradients_bitwise_every_run() -> None:
+    pattern = PATTERNS["after_backward"]
+    ddp = fit_pattern(pattern, "ddp")[0]["records"]["after_backward_grads"]
+    runs = [fit_pattern(pattern, "custom_ddp") for _ in range(3)]
+    first = runs[0][0]["records"]["after_backward_grads"]
+    assert len(first) == len(ddp) == 4
+    for step, grads in enumerate(first):
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ddp[step][name], rtol=1e-6, atol=1e-7, msg=f"step {step} {name}")
+    for run in runs:
+        for rank in run:
+            seen = rank["records"]["after_backward_grads"]
+            assert all(torch.equal(seen[s][n], first[s][n]) for s in range(len(first)) for n in first[s])
