@@ -32,7 +32,7 @@ class _SaveRankState(pl.Callback):
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # after every on_train_end
         state = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
         torch.save({"state": state, "records": pl_module.records}, self.out_dir / f"rank{trainer.global_rank}.pt")
 

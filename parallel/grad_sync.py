@@ -7,39 +7,42 @@ averages gradients over a process group. The training step is::
     for i, batch in enumerate(micro_batches):      # k micro-batches per optimizer step
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss_fn(model(batch)).backward()       # no communication inside no_sync
-    model.finish()                                  # p.grad now holds the average over ranks
-    optimizer.step(); optimizer.zero_grad()
+            loss_fn(model(batch)).backward()       # no gradient communication inside no_sync
+    optimizer.step(); optimizer.zero_grad()        # p.grad held the rank average when backward returned
 
 Gradients live as views into flat bucket buffers (:mod:`parallel.buckets`), so micro-batches
-accumulate in place into the memory that is all-reduced. Modes, for comparison:
+accumulate in place into the memory that is all-reduced. Modes: ``bucketed`` (a bucket's async
+all-reduce starts from the post-accumulate-grad hooks once its gradients are in, overlapping the
+rest of backward), ``per_param_overlap`` (the same, one parameter per bucket), ``flat`` (one
+all-reduce per dtype at the end of backward), ``per_param`` (blocking, one per parameter).
 
-- ``bucketed``: a bucket's async all-reduce starts from the parameters' post-accumulate-grad
-  hooks as soon as all its gradients are in, so communication overlaps the rest of backward.
-- ``per_param_overlap``: the same with one parameter per bucket.
-- ``flat``: one all-reduce of all gradients (one bucket per dtype), started by :meth:`finish`.
-- ``per_param``: one blocking all-reduce per parameter, run by :meth:`finish`.
+Gradients are final when backward returns, as with torch DDP: the first gradient hook of a synced
+backward queues :meth:`~SyncedDataParallel.finish` as an autograd-engine callback (run once the
+graph is done, before ``backward()`` returns), so ``on_after_backward``, clipping and code after
+``manual_backward`` read the rank average, never a buffer an all-reduce is still writing. Calling
+``finish()`` again is a no-op; it still joins a rank whose backward produced no gradient. Two
+synced backward passes in one step are each averaged and add up, as in one process.
 
-Gradients are final when backward returns, as with torch DDP: the first gradient hook of a
-synced backward queues :meth:`finish` as an autograd-engine callback (run once the whole graph is
-done, before ``backward()`` returns), so code right after ``backward()`` (Lightning's
-``on_after_backward``, clipping, code after ``manual_backward``) reads the rank average, never a
-buffer an all-reduce is still writing. Calling :meth:`finish` again is a no-op; it remains the way
-to join when this rank's backward produced no gradient at all. Two synced backward passes in one
-step (without ``no_sync``) are each averaged and add up, as in one process.
+Every rank launches buckets in the same fixed order (collectives match by issue order). Buckets
+with gradients missing at the end of backward (parameters unused on this rank) are launched then,
+with zeros and a per-parameter "used" flag, so ranks never desynchronise and a parameter no rank
+used keeps ``grad=None``.
 
-Every rank launches buckets in the same fixed order: a bucket whose gradients are ready waits
-for the buckets before it, because collectives are matched by issue order. Buckets that are not
-complete at :meth:`finish` (parameters unused in this backward) are launched there, with zeros
-for the missing gradients, so ranks never desynchronise; a parameter that no rank produced a
-gradient for keeps ``grad=None``.
+Parameters that change ``requires_grad`` after wrapping (unfreezing a backbone, freezing again)
+are noticed at the next forward with gradients enabled (one tuple of flags compared) and the
+buckets and hooks are rebuilt, so an unfrozen parameter is averaged like the others (torch DDP
+leaves it out for good and the ranks diverge); every rank must make the same change. Sparse
+gradients (``Embedding``/``EmbeddingBag`` with ``sparse=True``) stay out of the buckets and are
+averaged by :mod:`parallel.sparse_grads` at the end of backward. ``broadcast_buffers=True`` (torch
+DDP's default) copies rank 0's buffers to every rank before each forward with gradients enabled
+(:mod:`parallel.buffer_sync`: one collective, none when every buffer is a SyncBN statistic);
+:meth:`~SyncedDataParallel.sync_buffers` does it once more before evaluation / at the end.
 
 Rank status (``carry_rank_status=True``): each rank may set a small integer
 (:meth:`~SyncedDataParallel.set_rank_status`, e.g. "a SIGTERM arrived here"); it travels in the
-last bucket of the step's all-reduce, one slot per rank, and after :meth:`finish` every rank reads
-the same tuple of every rank's value (:attr:`~SyncedDataParallel.rank_status`). Every rank thereby
-takes the same decision at the same optimizer step, without a collective of its own. Pure torch;
-no Lightning import.
+last bucket of the step's all-reduce, one slot per rank, and after the step every rank reads the
+same tuple of every rank's value (:attr:`~SyncedDataParallel.rank_status`), so every rank takes
+the same decision at the same optimizer step without a collective of its own. Pure torch.
 """
 
 from __future__ import annotations
@@ -54,43 +57,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets
+from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets, is_view_of
+from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
+from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
 from parallel.sync_config import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
-    GRAD_COMPRESSIONS,
     MODES_LAUNCHED_FROM_HOOKS,
-    SYNC_MODES,
     WIRE_DTYPES,
     caps_for_mode,
+    check_sync_options,
 )
 
 __all__ = ["SyncedDataParallel"]
 
 log = logging.getLogger(__name__)
-
-_COMPRESSIONS = (None, *GRAD_COMPRESSIONS)
-
-
-def _check_options(
-    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
-) -> None:
-    if mode not in SYNC_MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
-    for name, cap in caps.items():
-        if not cap > 0:
-            raise ValueError(
-                f"{name}={cap} must be > 0 MiB (mode='per_param' puts each parameter alone)"
-            )
-    if grad_compression not in _COMPRESSIONS:
-        raise ValueError(f"grad_compression={grad_compression!r} is not one of {_COMPRESSIONS}")
-
-
-def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
-
 
 class SyncedDataParallel(nn.Module):
     """Average gradients of ``module`` over ``process_group`` (see the module docstring).
@@ -108,6 +90,8 @@ class SyncedDataParallel(nn.Module):
             :data:`parallel.sync_config.GradCompression`).
         broadcast_init: Broadcast rank 0's parameters and buffers at construction.
         carry_rank_status: Reserve one slot per rank in the last bucket for :meth:`set_rank_status`.
+        broadcast_buffers: Give every rank rank 0's buffers before each forward with gradients
+            enabled (torch DDP's ``broadcast_buffers``); SyncBN statistics are left out.
     """
 
     def __init__(
@@ -121,9 +105,10 @@ class SyncedDataParallel(nn.Module):
         grad_compression: str | None = None,
         broadcast_init: bool = True,
         carry_rank_status: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
-        _check_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
+        check_sync_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
         self.module = module
         self._process_group = process_group
         self._world_size = group_world_size(process_group)
@@ -131,27 +116,39 @@ class SyncedDataParallel(nn.Module):
         self._compression = grad_compression
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
-        # Reverse registration order approximates the order backward produces gradients in.
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        cap_mb, first_cap_mb = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
-        slots = self._world_size if carry_rank_status else 0
-        self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb), slots)
+        self._caps = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
+        self._status_slots = self._world_size if carry_rank_status else 0
         self._rank = dist.get_rank(process_group) if self._world_size > 1 else 0
         self._local_status = 0
         self._rank_status: tuple[int, ...] | None = None
-        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", mode, self._world_size,
-                  describe_buckets(self._buckets, module))
-        self._hook_handles = [
-            param.register_post_accumulate_grad_hook(
-                functools.partial(self._on_grad_ready, bucket, slot)
-            )
-            for bucket in self._buckets
-            for slot, param in enumerate(bucket.params)
-        ]
+        self._buffer_sync = (BufferBroadcast(module, process_group)
+                             if broadcast_buffers and self._world_size > 1 else None)
+        self._buffers_stale = False  # a forward may have changed buffers since the last broadcast
+        self._hook_handles: list[Any] = []
+        self._build()
         self._sync_enabled = True
         self._armed = False  # a synced forward/backward ran since the last finish()
         self._finish_queued = False  # finish() waits as a callback at the end of this backward
         self._next_launch = 0  # index of the first bucket not launched yet
+
+    def _build(self) -> None:
+        """(Re)build the buckets and hooks for the parameters that require gradients now."""
+        self.remove_hooks()
+        self._params = list(self.module.parameters())
+        self._trainable = tuple(p.requires_grad for p in self._params)
+        sparse = sparse_gradient_params(self.module)
+        # Reverse registration order approximates the order backward produces gradients in.
+        trainable = [p for p in self._params if p.requires_grad][::-1]
+        dense = [p for p in trainable if p not in sparse]
+        self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
+        self._buckets = build_buckets(dense, assign_buckets(dense, *self._caps), self._status_slots)
+        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._mode, self._world_size,
+                  describe_buckets(self._buckets, self.module))
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, slot))
+            for bucket in self._buckets
+            for slot, param in enumerate(bucket.params)
+        ] + [param.register_post_accumulate_grad_hook(self._on_sparse_grad_ready) for param in self._sparse.params]
 
     @property
     def mode(self) -> str:
@@ -190,9 +187,25 @@ class SyncedDataParallel(nn.Module):
         return tuple(self._buckets)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sync_enabled and torch.is_grad_enabled():
-            self._armed = True
+        if torch.is_grad_enabled():
+            if self._trainable != tuple(p.requires_grad for p in self._params) and self._next_launch == 0:
+                log.info("SyncedDataParallel: the parameters requiring gradients changed; rebuilding the buckets")
+                self._build()
+            if self._buffer_sync is not None and self._buffer_sync.active:
+                self._buffer_sync.broadcast()
+                self._buffers_stale = True  # this forward may update them from this rank's data
+            if self._sync_enabled:
+                self._armed = True
         return self.module(*args, **kwargs)
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers if a training forward ran since the last broadcast.
+
+        Every rank calls it at the same point (before evaluation, at the end of training).
+        """
+        if self._buffers_stale and self._buffer_sync is not None:
+            self._buffer_sync.broadcast()
+        self._buffers_stale = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -206,8 +219,9 @@ class SyncedDataParallel(nn.Module):
     def finish(self) -> None:
         """Complete this backward's all-reduce: afterwards every ``p.grad`` holds the rank average.
 
-        Launches, in bucket order, what backward did not (every bucket in ``flat`` and
-        ``per_param``; buckets with unused parameters otherwise), then waits for all of them.
+        Runs by itself at the end of every synced backward. Launches, in bucket order, what
+        backward did not (every bucket in ``flat`` and ``per_param``; buckets with unused
+        parameters otherwise), averages the sparse gradients, then waits for all of them.
         A no-op inside :meth:`no_sync` or when nothing ran since the last call.
         """
         if not self._sync_enabled or not self._armed:
@@ -217,10 +231,9 @@ class SyncedDataParallel(nn.Module):
             self._launch(bucket)
             if blocking:
                 self._complete(bucket)
-        if not blocking:
-            for bucket in self._buckets:
-                self._complete(bucket)
+        self._sparse.average()
         for bucket in self._buckets:
+            self._complete(bucket)
             bucket.reset()
         self._next_launch = 0
         self._armed = False
@@ -232,21 +245,28 @@ class SyncedDataParallel(nn.Module):
             handle.remove()
         self._hook_handles.clear()
 
-    def _on_grad_ready(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
-        view = bucket.views[slot]
-        if param.grad is not None and not _is_view_of(param.grad, view):
-            # Grads were set to None (zero_grad default): autograd allocated a fresh gradient.
-            # Move it into the bucket once; later micro-batches accumulate into the view itself.
-            view.copy_(param.grad)
-            param.grad = view
-        if not self._sync_enabled:
-            return
+    def _arm_finish(self) -> None:
         self._armed = True
         if not self._finish_queued:
             # Runs once autograd has executed the whole graph, before backward() returns (torch DDP's
             # reducer queues its finalizer the same way).
             self._finish_queued = True
             Variable._execution_engine.queue_callback(self.finish)
+
+    def _on_sparse_grad_ready(self, param: torch.Tensor) -> None:
+        if self._sync_enabled:
+            self._arm_finish()
+
+    def _on_grad_ready(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+        view = bucket.views[slot]
+        if param.grad is not None and not is_view_of(param.grad, view):
+            # Grads were set to None (zero_grad default): autograd allocated a fresh gradient.
+            # Move it into the bucket once; later micro-batches accumulate into the view itself.
+            view.copy_(param.grad)
+            param.grad = view
+        if not self._sync_enabled:
+            return
+        self._arm_finish()
         if self._mode not in MODES_LAUNCHED_FROM_HOOKS:
             return
         if bucket.launched:  # the all-reduce is reading this buffer right now
@@ -273,37 +293,22 @@ class SyncedDataParallel(nn.Module):
                 view.zero_()
                 bucket.flags[slot] = 0
                 bucket.all_used = False
-            elif not _is_view_of(param.grad, view):
+            elif not is_view_of(param.grad, view):
                 view.copy_(param.grad)
                 param.grad = view
         if bucket.status_slots:
-            bucket.status.zero_()
-            bucket.status[self._rank] = self._local_status
+            bucket.write_status(self._rank, self._local_status)
         bucket.launched = True
         self._next_launch = bucket.index + 1
-        if self._world_size == 1:
-            return
-        # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
-        bucket.buffer.div_(self._world_size)
-        wire = bucket.buffer
-        if self._compression is not None and wire.dtype in (torch.float32, torch.float64):
-            wire = wire.to(WIRE_DTYPES[self._compression])
-        bucket.wire = wire
-        bucket.work = dist.all_reduce(wire, group=self._process_group, async_op=True)
+        if self._world_size > 1:
+            wire_dtype = None if self._compression is None else WIRE_DTYPES[self._compression]
+            bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype)
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s all-reduce and point each parameter's grad at its average."""
-        if bucket.work is not None:
-            bucket.work.wait()
-            if bucket.wire is not bucket.buffer:
-                bucket.buffer.copy_(bucket.wire)
-            bucket.work, bucket.wire = None, None
+        bucket.wait()
         if bucket.status_slots:
-            # Slot r held rank r's value, zeros elsewhere, pre-divided by the world size like the
-            # gradients: the sum is value / world_size, within 0.25 of it after rescaling even in
-            # bfloat16 (8 significant bits) for values < 128, so rounding recovers it exactly.
-            scaled = bucket.status.float() * self._world_size
-            self._rank_status = tuple(int(v) for v in scaled.round().tolist())
+            self._rank_status = bucket.read_status(self._world_size)
         if bucket.all_used:
             return
         # Some local gradient was missing: a parameter no rank used keeps grad=None, one that

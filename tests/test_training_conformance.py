@@ -41,3 +41,14 @@ def test_on_after_backward_sees_ddps_averaged_gradients_bitwise_every_run() -> N
         for rank in run:
             seen = rank["records"]["after_backward_grads"]
             assert all(torch.equal(seen[s][n], first[s][n]) for s in range(len(first)) for n in first[s])
+
+
+def test_a_non_batchnorm_buffer_holds_rank_0s_value_at_every_forward_as_under_ddp() -> None:
+    pattern = PATTERNS["non_bn_buffer"]
+    ddp = fit_pattern(pattern, "ddp")
+    custom = fit_pattern(pattern, "custom_ddp")
+    expected = ddp[0]["records"]["buffer_at_forward"]
+    for rank in (*ddp, *custom):  # ddp broadcasts before every training forward too
+        assert torch.equal(torch.stack(rank["records"]["buffer_at_forward"]), torch.stack(expected))
+    # At the end of fit ddp's rank 1 keeps the value its own last forward made; custom_ddp's ranks agree.
+    assert compare(custom, ddp)["ranks_agree"] and not compare(ddp, ddp)["ranks_agree"]
