@@ -130,13 +130,19 @@ def render(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md") -> tuple[str, str]:
-    """``(README text, README text with a fresh block)``; raises if the markers are missing."""
+def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md",
+                  render_record: Callable[[dict[str, Any]], list[str]] | None = None, begin: str = BEGIN,
+                  end: str = END) -> tuple[str, str]:
+    """``(README text, README text with a fresh block)``; raises if the markers are missing.
+
+    ``render_record``, ``begin`` and ``end``: another table's renderer and markers (default: this one's).
+    """
     text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block: add both markers where the table goes")
-    head, rest = text.split(BEGIN, 1)
-    return text, head + "\n".join([BEGIN, "", *render(record), "", END]) + rest.split(END, 1)[1]
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme} has no {begin} ... {end} block: add both markers where the table goes")
+    head, rest = text.split(begin, 1)
+    lines = (render_record or render)(record)
+    return text, head + "\n".join([begin, "", *lines, "", end]) + rest.split(end, 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

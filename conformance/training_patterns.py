@@ -278,3 +278,25 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "activation_checkpointing": ActivationCheckpointing, "float64": Float64Parameters,
     "double_backward": DoubleBackward,
 }
+
+
+class CompiledSyncBatchNorm(TrainingPattern):
+    label = "torch.compile(net) with BatchNorm1d, sync_batchnorm=True"
+    ddp_options = None  # torch's SyncBatchNorm is CUDA-only: ddp cannot run it on CPU
+    slow = True
+
+    def build(self) -> nn.Module:
+        # Inductor's pool of compile workers hangs in ranks started with fork (seen with custom_ddp; ddp
+        # errors out): compile in the rank's own process (TORCHINDUCTOR_COMPILE_THREADS=1 does the same).
+        torch._inductor.config.compile_threads = 1
+        return torch.compile(_mlp(batchnorm=True))
+
+
+class CompiledLocalBatchNorm(CompiledSyncBatchNorm):
+    label = "torch.compile(net) with BatchNorm1d, sync_batchnorm=False"
+    truth = "ddp"
+    ddp_options = {}
+    custom_options = {"sync_batchnorm": False}
+
+
+PATTERNS.update({"compiled_syncbn": CompiledSyncBatchNorm, "compiled_local_bn": CompiledLocalBatchNorm})

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -130,6 +131,7 @@ class SyncedDataParallel(nn.Module):
         self._armed = False  # a synced forward/backward ran since the last finish()
         self._finish_queued = False  # finish() waits as a callback at the end of this backward
         self._next_launch = 0  # index of the first bucket not launched yet
+        self.last_finish_s = 0.0
 
     def _build(self) -> None:
         """(Re)build the buckets and hooks for the parameters that require gradients now."""
@@ -226,6 +228,7 @@ class SyncedDataParallel(nn.Module):
         """
         if not self._sync_enabled or not self._armed:
             return
+        started = time.perf_counter()
         blocking = self._mode == "per_param"
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
@@ -238,6 +241,7 @@ class SyncedDataParallel(nn.Module):
         self._next_launch = 0
         self._armed = False
         self._finish_queued = False
+        self.last_finish_s = time.perf_counter() - started  # diagnostic: the exposed wait at the end of backward
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters (before unwrapping it)."""
