@@ -115,7 +115,7 @@ class RunningScale(nn.Module):
 
 
 class NonBatchNormBuffer(TrainingPattern):
-    label = "a buffer that is not BatchNorm (EMA of |x| as input scale)"
+    label = "a buffer that is not BatchNorm (an EMA of abs(x) as input scale)"
     truth = "ddp"
 
     def build(self) -> nn.Module:
