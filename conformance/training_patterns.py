@@ -242,10 +242,16 @@ class SWA(TrainingPattern):
 
 class ActivationCheckpointing(TrainingPattern):
     label = "activation checkpointing (torch.utils.checkpoint, use_reentrant=False)"
+    reentrant: ClassVar[bool] = False
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = checkpoint(self.net[:3], inputs, use_reentrant=False)
+        hidden = checkpoint(self.net[:3], inputs, use_reentrant=self.reentrant)
         return F.mse_loss(self.net[3](hidden), targets)
+
+
+class ReentrantCheckpointing(ActivationCheckpointing):
+    label = "activation checkpointing, use_reentrant=True (a nested backward)"
+    reentrant = True
 
 
 class Float64Parameters(TrainingPattern):
@@ -275,7 +281,8 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "unfreeze_in_hook": UnfreezeInHook, "freeze_again": FreezeAgain, "backbone_finetuning": BackboneUnfreeze,
     "clip_with_accumulation": ClipWithAccumulation, "manual_optimization": ManualOptimization,
     "unused_parameters": UnusedParameters, "accumulation_schedule": AccumulationSchedule, "swa": SWA,
-    "activation_checkpointing": ActivationCheckpointing, "float64": Float64Parameters,
+    "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,
+    "float64": Float64Parameters,
     "double_backward": DoubleBackward,
 }
 

@@ -48,7 +48,7 @@ def _row(name: str, pattern: type[TrainingPattern]) -> dict[str, Any]:
 
 def _cells(value: Any) -> tuple[str, str]:
     if isinstance(value, str):
-        return value, ""
+        return (value if len(value) <= 100 else value[:99] + "…").replace("|", "\\|"), ""
     mark = " ≠" if value["max_diff"] > EXACT else ""
     return f"{value['max_diff']:.1e}{mark}", "yes" if value["ranks_agree"] else "**no**"
 

@@ -46,11 +46,19 @@ class BufferBroadcast:
         self._layers = [layer for layer in module.modules()
                         if not _synced_over(layer, process_group) and any(True for _ in layer.buffers(recurse=False))]
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        self._stale = False  # a forward may have changed buffers since the last broadcast
 
-    @property
-    def active(self) -> bool:
-        """Whether there is any buffer to send (False: :meth:`broadcast` is free)."""
-        return bool(self._layers)
+    def before_forward(self) -> None:
+        """Broadcast now (the coming forward reads rank 0's buffers); it may change them again."""
+        if self._layers:
+            self.broadcast()
+            self._stale = True
+
+    def broadcast_if_stale(self) -> None:
+        """Broadcast if a forward ran since the last broadcast (every rank calls it at the same point)."""
+        if self._stale:
+            self.broadcast()
+            self._stale = False
 
     def buffers(self) -> list[torch.Tensor]:
         return [buffer for layer in self._layers for buffer in layer.buffers(recurse=False)]

@@ -28,15 +28,11 @@ with gradients missing at the end of backward (parameters unused on this rank) a
 with zeros and a per-parameter "used" flag, so ranks never desynchronise and a parameter no rank
 used keeps ``grad=None``.
 
-Parameters that change ``requires_grad`` after wrapping (unfreezing a backbone, freezing again)
-are noticed at the next forward with gradients enabled (one tuple of flags compared) and the
-buckets and hooks are rebuilt, so an unfrozen parameter is averaged like the others (torch DDP
-leaves it out for good and the ranks diverge); every rank must make the same change. Sparse
-gradients (``Embedding``/``EmbeddingBag`` with ``sparse=True``) stay out of the buckets and are
-averaged by :mod:`parallel.sparse_grads` at the end of backward. ``broadcast_buffers=True`` (torch
-DDP's default) copies rank 0's buffers to every rank before each forward with gradients enabled
-(:mod:`parallel.buffer_sync`: one collective, none when every buffer is a SyncBN statistic);
-:meth:`~SyncedDataParallel.sync_buffers` does it once more before evaluation / at the end.
+A change of ``requires_grad`` after wrapping (unfreezing, freezing again; the same on every rank)
+is noticed at the next forward with gradients enabled (one tuple of flags compared) and rebuilds
+the buckets and hooks: torch DDP leaves such parameters out for good and the ranks diverge. Sparse
+gradients stay out of the buckets (:mod:`parallel.sparse_grads`); ``broadcast_buffers`` gives
+every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.buffer_sync`).
 
 Rank status (``carry_rank_status=True``): each rank may set a small integer
 (:meth:`~SyncedDataParallel.set_rank_status`, e.g. "a SIGTERM arrived here"); it travels in the
@@ -62,18 +58,13 @@ from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buc
 from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
 from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
-from parallel.sync_config import (
-    DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_FIRST_BUCKET_CAP_MB,
-    MODES_LAUNCHED_FROM_HOOKS,
-    WIRE_DTYPES,
-    caps_for_mode,
-    check_sync_options,
-)
+from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, MODES_LAUNCHED_FROM_HOOKS,
+                                   WIRE_DTYPES, caps_for_mode, check_sync_options)
 
 __all__ = ["SyncedDataParallel"]
 
 log = logging.getLogger(__name__)
+
 
 class SyncedDataParallel(nn.Module):
     """Average gradients of ``module`` over ``process_group`` (see the module docstring).
@@ -124,7 +115,6 @@ class SyncedDataParallel(nn.Module):
         self._rank_status: tuple[int, ...] | None = None
         self._buffer_sync = (BufferBroadcast(module, process_group)
                              if broadcast_buffers and self._world_size > 1 else None)
-        self._buffers_stale = False  # a forward may have changed buffers since the last broadcast
         self._hook_handles: list[Any] = []
         self._build()
         self._sync_enabled = True
@@ -193,21 +183,17 @@ class SyncedDataParallel(nn.Module):
             if self._trainable != tuple(p.requires_grad for p in self._params) and self._next_launch == 0:
                 log.info("SyncedDataParallel: the parameters requiring gradients changed; rebuilding the buckets")
                 self._build()
-            if self._buffer_sync is not None and self._buffer_sync.active:
-                self._buffer_sync.broadcast()
-                self._buffers_stale = True  # this forward may update them from this rank's data
+            if self._buffer_sync is not None:
+                self._buffer_sync.before_forward()
             if self._sync_enabled:
                 self._armed = True
         return self.module(*args, **kwargs)
 
     def sync_buffers(self) -> None:
-        """Give every rank rank 0's buffers if a training forward ran since the last broadcast.
-
-        Every rank calls it at the same point (before evaluation, at the end of training).
-        """
-        if self._buffers_stale and self._buffer_sync is not None:
-            self._buffer_sync.broadcast()
-        self._buffers_stale = False
+        """Every rank, at the same point (before evaluation, at the end of fit): rank 0's buffers if a
+        training forward may have changed them since the last broadcast."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.broadcast_if_stale()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
