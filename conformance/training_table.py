@@ -14,7 +14,6 @@ identical states at the end of ``fit``::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from callbacks.run_info import environment
-from conformance.table import REPO_ROOT, _outcome, update_readme
+from conformance.table import REPO_ROOT, outcome_of, write_tables
 from conformance.training_patterns import PATTERNS, TrainingPattern
 from conformance.training_runs import compare, fit_pattern
 
@@ -36,7 +35,7 @@ def _row(name: str, pattern: type[TrainingPattern]) -> dict[str, Any]:
     # The forked runs first: a process that ran a compiled backward cannot fork ranks any more
     # ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
     settings = ["ddp", "custom_ddp", "one_process"] if pattern.ddp_options is not None else ["custom_ddp", "one_process"]
-    runs = {setting: _outcome(lambda: fit_pattern(pattern, setting)) for setting in settings}
+    runs = {setting: outcome_of(lambda: fit_pattern(pattern, setting)) for setting in settings}
     truth = runs[pattern.truth]
     row: dict[str, Any] = {"key": name, "pattern": pattern.label, "truth": pattern.truth}
     for setting in ("ddp", "custom_ddp"):
@@ -76,13 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(PATTERNS)
     rows = [_row(name, PATTERNS[name]) for name in names]
     record = {"command": "python -m conformance.training_table", "environment": environment(), "rows": rows}
-    out = args.out or DEFAULT_OUT
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "results.md").write_text("\n".join(["# Training conformance", "", *render(record)]) + "\n")
-    if args.out is None:
-        readme = REPO_ROOT / "README.md"
-        readme.write_text(update_readme(record, readme, render, BEGIN, END)[1])
+    write_tables(record, args.out, DEFAULT_OUT, "Training conformance", render, BEGIN, END)
     return 0
 
 
