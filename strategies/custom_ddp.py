@@ -14,9 +14,12 @@ Lightning's. It replaces three things, each through a public seam of the strateg
 2. **Gradients** (``sync_mode``, ``bucket_cap_mb``): the module is wrapped in
    :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
    non-stepping micro-batches of ``accumulate_grad_batches`` inside ``block_backward_sync`` ->
-   ``no_sync()``: no gradient collective at all. ``post_backward`` (after backward, before the
-   precision plugin unscales/clips and ``on_before_optimizer_step``) calls ``finish()``, which
-   leaves rank-averaged gradients in ``p.grad``. ``zero1`` re-creates each optimizer as a
+   ``no_sync()``: no gradient collective at all. A synced backward waits for its buckets in an
+   autograd-engine callback before it returns, so ``on_after_backward``, code after
+   ``manual_backward``, clipping and ``on_before_optimizer_step`` read rank-averaged gradients;
+   ``post_backward`` calls ``finish()`` (then a no-op, or the join of a rank whose backward made no
+   gradient) and reads the preemption flag that rode in the last bucket. Buffers: rank 0's before
+   each training forward (``broadcast_buffers``, as ddp). ``zero1`` re-creates each optimizer as a
    :class:`parallel.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
@@ -339,7 +342,7 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         # Runs inside the optimizer closure: before unscaling, clipping and on_before_optimizer_step.
         if isinstance(self.model, SyncedDataParallel):
-            self.model.finish()
+            self.model.finish()  # already done at the end of backward, unless this rank made no gradient
             self._preemption.after_gradient_sync(self.model)
 
     def _sync_buffers(self) -> None:
