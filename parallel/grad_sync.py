@@ -220,7 +220,9 @@ class SyncedDataParallel(nn.Module):
             self._launch(bucket)
             if blocking:
                 self._complete(bucket)
-        self._sparse.average()
+        statuses = self._sparse.average(self._local_status)
+        if self._status_slots and not self._buckets and statuses is not None:
+            self._rank_status = statuses  # every gradient is sparse: the status rode with the sparse counts
         for bucket in self._buckets:
             self._complete(bucket)
             bucket.reset()

@@ -59,19 +59,24 @@ class SparseGradSync:
         self._group = process_group
         self._world_size = world_size
 
-    def average(self) -> None:
-        """Replace each parameter's gradient by the rank average (every rank calls this, same order)."""
+    def average(self, status: int = 0) -> tuple[int, ...] | None:
+        """Replace each parameter's gradient by the rank average (every rank calls this, same order).
+
+        ``status`` rides in the count all_gather; returns every rank's (None when nothing was sent),
+        for a model whose gradients are all sparse (no dense bucket to carry it).
+        """
         if not self.params or self._world_size == 1:
-            return
+            return None
         local = [None if p.grad is None else self._checked(p) for p in self.params]
-        count = torch.tensor([-1 if g is None else g._nnz() for g in local], dtype=torch.int64)
+        count = torch.tensor([-1 if g is None else g._nnz() for g in local] + [status], dtype=torch.int64)
         counts = [torch.empty_like(count) for _ in range(self._world_size)]
         dist.all_gather(counts, count, group=self._group)
-        per_param = torch.stack(counts).t().tolist()  # per_param[i][rank]
+        *per_param, statuses = torch.stack(counts).t().tolist()  # per_param[i][rank]
         for param, grad, param_counts in zip(self.params, local, per_param):
             if max(param_counts) < 0:
                 continue  # no rank has a gradient: it stays None
             param.grad = self._averaged(param, grad, [max(c, 0) for c in param_counts])
+        return tuple(statuses)
 
     @staticmethod
     def _checked(param: nn.Parameter) -> torch.Tensor:

@@ -92,3 +92,15 @@ def test_sparse_gradients_and_unfreezing_match_one_process_after_every_backward(
     for step in range(STEPS):  # the ranks hold the same bits
         for name, grad in results[0][step].items():
             assert grad is None or torch.equal(grad, results[1][step][name]), f"step {step} {name}"
+
+
+def _status_worker(rank: int, world_size: int) -> tuple:
+    net = nn.EmbeddingBag(12, 2, sparse=True)  # no dense gradient, so no bucket to carry the status
+    model = SyncedDataParallel(net, carry_rank_status=True)
+    model.set_rank_status(15 if rank == 1 else 0)
+    model(torch.randint(0, 12, (3, 4))).sum().backward()
+    return model.rank_status
+
+
+def test_rank_status_rides_with_the_sparse_counts_when_every_gradient_is_sparse(tmp_path) -> None:
+    assert run_workers(_status_worker, WORLD_SIZE, init_file=tmp_path / "store") == [(0, 15), (0, 15)]
