@@ -177,6 +177,18 @@ class UnfreezeInHook(TrainingPattern):
             self.net[0].requires_grad_(True)
 
 
+class UnfreezeInTrainingStep(UnfreezeInHook):
+    label = "first layer unfrozen inside training_step (epoch 1, first batch)"
+
+    def on_train_epoch_start(self) -> None:
+        pass
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.current_epoch == 1 and batch_idx == 0:
+            self.net[0].requires_grad_(True)
+        return super().training_step(batch, batch_idx)
+
+
 class FreezeAgain(UnfreezeInHook):
     label = "unfrozen at epoch 1, frozen again at epoch 2"
     max_epochs = 3
@@ -278,7 +290,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "after_backward": AfterBackwardClamp, "after_manual_backward": ManualBackwardRescale,
     "non_bn_buffer": NonBatchNormBuffer, "local_batchnorm": LocalBatchNorm,
     "sparse_embedding_sgd": SparseEmbeddingSGD, "sparse_embedding_bag_adam": SparseEmbeddingBagAdam,
-    "unfreeze_in_hook": UnfreezeInHook, "freeze_again": FreezeAgain, "backbone_finetuning": BackboneUnfreeze,
+    "unfreeze_in_hook": UnfreezeInHook, "unfreeze_in_training_step": UnfreezeInTrainingStep, "freeze_again": FreezeAgain, "backbone_finetuning": BackboneUnfreeze,
     "clip_with_accumulation": ClipWithAccumulation, "manual_optimization": ManualOptimization,
     "unused_parameters": UnusedParameters, "accumulation_schedule": AccumulationSchedule, "swa": SWA,
     "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,

@@ -23,28 +23,25 @@ graph is done, before ``backward()`` returns), so ``on_after_backward``, clippin
 ``finish()`` again is a no-op; it still joins a rank whose backward produced no gradient. Two
 synced backward passes in one step are each averaged and add up, as in one process.
 
-Every rank launches buckets in the same fixed order (collectives match by issue order). Buckets
-with gradients missing at the end of backward (parameters unused on this rank) are launched then,
-with zeros and a per-parameter "used" flag, so ranks never desynchronise and a parameter no rank
-used keeps ``grad=None``.
+Every rank launches buckets in one fixed order; a gradient missing at the end of backward travels
+as zeros with a "used" flag, so ranks never desynchronise and one no rank used keeps ``grad=None``.
 
-A change of ``requires_grad`` after wrapping (unfreezing, freezing again; the same on every rank)
-is noticed at the next forward with gradients enabled (one tuple of flags compared) and rebuilds
-the buckets and hooks: torch DDP leaves such parameters out for good and the ranks diverge. Sparse
+A change of ``requires_grad`` (unfreezing, freezing again; the same on every rank) is noticed at the
+next forward with gradients enabled (one tuple of flags compared) and rebuilds the buckets and
+hooks (within a step: averaged at its end); torch DDP leaves such parameters out for good. Sparse
 gradients stay out of the buckets (:mod:`parallel.sparse_grads`); ``broadcast_buffers`` gives
 every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.buffer_sync`).
 
-Rank status (``carry_rank_status=True``): each rank may set a small integer
-(:meth:`~SyncedDataParallel.set_rank_status`, e.g. "a SIGTERM arrived here"); it travels in the
-last bucket of the step's all-reduce, one slot per rank, and after the step every rank reads the
-same tuple of every rank's value (:attr:`~SyncedDataParallel.rank_status`), so every rank takes
-the same decision at the same optimizer step without a collective of its own. Pure torch.
+Rank status (``carry_rank_status=True``): a small integer per rank (:meth:`~SyncedDataParallel.
+set_rank_status`, e.g. "a SIGTERM arrived") rides in the last bucket; after the step every rank reads
+every rank's value (:attr:`~SyncedDataParallel.rank_status`) without a collective of its own. Pure torch.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -220,6 +217,7 @@ class SyncedDataParallel(nn.Module):
             self._launch(bucket)
             if blocking:
                 self._complete(bucket)
+        self._average_params_unfrozen_in_step()
         statuses = self._sparse.average(self._local_status)
         if self._status_slots and not self._buckets and statuses is not None:
             self._rank_status = statuses  # every gradient is sparse: the status rode with the sparse counts
@@ -230,6 +228,17 @@ class SyncedDataParallel(nn.Module):
         self._armed = False
         self._finish_queued = False
         self.last_finish_s = time.perf_counter() - started  # diagnostic: the exposed wait at the end of backward
+
+    def _average_params_unfrozen_in_step(self) -> None:
+        # requires_grad turned on after this step's forward began (inside training_step): those parameters
+        # have no hook yet; average them in extra buckets now. The next forward rebuilds the layout.
+        if self._trainable == tuple(p.requires_grad for p in self._params):
+            return
+        synced = {p for bucket in self._buckets for p in bucket.params} | set(self._sparse.params)
+        extra = [p for p in self._params if p.requires_grad and p not in synced]
+        for bucket in build_buckets(extra, assign_buckets(extra, math.inf, math.inf)):
+            self._launch(bucket)
+            self._complete(bucket)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters (before unwrapping it)."""
