@@ -45,9 +45,12 @@ def _strategy(path: str, **options: object) -> tuple[str, ...]:
 
 VARIANTS: dict[str, Variant] = {
     "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
-                          "sync (25 MiB buckets), no buffer broadcast", _strategy(_CUSTOM, sync_batchnorm=True)),
-    "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU",
-                                  _strategy(_CUSTOM, sync_batchnorm=False)),
+                          "sync (25 MiB buckets), broadcast_buffers=true (nothing to send: every buffer is a SyncBN "
+                          "statistic)", _strategy(_CUSTOM, sync_batchnorm=True, broadcast_buffers=True)),
+    # Compared with ddp_tuned, which broadcasts no buffers: the same setting on both sides.
+    "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU; "
+                                  "broadcast_buffers=false like ddp tuned (forward_sync_buffers=false)",
+                                  _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False)),
     "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: gradient_as_bucket_view=False, "
                            "forward_sync_buffers=True (rank 0's BN buffers broadcast every forward)",
                            _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True)),

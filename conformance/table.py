@@ -83,7 +83,7 @@ def _trainer(setting: str, **kwargs: Any) -> pl.Trainer:
                       enable_checkpointing=False, max_epochs=1, **kwargs)
 
 
-def _outcome(run: Callable[[], Any]) -> Any:
+def outcome_of(run: Callable[[], Any]) -> Any:
     """The run's result, or the last line of the error it ended with (every rank's, via the launcher)."""
     try:
         return run()
@@ -103,9 +103,9 @@ def _patterns(setting: str, work: Path) -> dict[str, Any]:
     values["all_gather_samples_rows"] = gathered.get("all_gather_samples_rows", "n/a")
     values["dataloader_iter_count"] = _trainer(setting).validate(IteratorStepsModule(), verbose=False)[0]["count"]
     values["list_loader_count"] = _trainer(setting).test(IteratorStepsModule(), [0, 1, 2], verbose=False)[0]["count"]
-    values["validate_inside_fit"] = _outcome(lambda: _trainer(setting, callbacks=[ValidateInsideFit()],
+    values["validate_inside_fit"] = outcome_of(lambda: _trainer(setting, callbacks=[ValidateInsideFit()],
                                                               num_sanity_val_steps=0).fit(IteratorStepsModule()) or "ran")
-    values["variable_width_all_gather"] = _outcome(
+    values["variable_width_all_gather"] = outcome_of(
         lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered")
     return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}
 
@@ -130,13 +130,32 @@ def render(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md") -> tuple[str, str]:
-    """``(README text, README text with a fresh block)``; raises if the markers are missing."""
+def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md",
+                  render_record: Callable[[dict[str, Any]], list[str]] | None = None, begin: str = BEGIN,
+                  end: str = END) -> tuple[str, str]:
+    """``(README text, README text with a fresh block)``; raises if the markers are missing.
+
+    ``render_record``, ``begin`` and ``end``: another table's renderer and markers (default: this one's).
+    """
     text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block: add both markers where the table goes")
-    head, rest = text.split(BEGIN, 1)
-    return text, head + "\n".join([BEGIN, "", *render(record), "", END]) + rest.split(END, 1)[1]
+    if begin not in text or end not in text:
+        raise ValueError(f"{readme} has no {begin} ... {end} block: add both markers where the table goes")
+    head, rest = text.split(begin, 1)
+    lines = (render_record or render)(record)
+    return text, head + "\n".join([begin, "", *lines, "", end]) + rest.split(end, 1)[1]
+
+
+def write_tables(record: dict[str, Any], out: Path | None, default_out: Path, title: str,
+                 render_record: Callable[[dict[str, Any]], list[str]] = render, begin: str = BEGIN,
+                 end: str = END) -> None:
+    """``results.json`` + ``results.md`` in ``out``; with ``out=None`` in ``default_out`` and README's block too."""
+    folder = out or default_out
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    (folder / "results.md").write_text("\n".join([f"# {title}", "", *render_record(record)]) + "\n")
+    if out is None:
+        readme = REPO_ROOT / "README.md"
+        readme.write_text(update_readme(record, readme, render_record, begin, end)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,13 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(runs["one_process"])
     rows = [{"key": key, "pattern": _label(key), **{s: runs[s].get(key) for s in SETTINGS}} for key in keys]
     record = {"command": "python -m conformance.table", "environment": environment(), "rows": rows}
-    out = args.out or DEFAULT_OUT
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "results.md").write_text("\n".join(["# Evaluation conformance", "", *render(record)]) + "\n")
-    if args.out is None:
-        readme = REPO_ROOT / "README.md"
-        readme.write_text(update_readme(record, readme)[1])
+    write_tables(record, args.out, DEFAULT_OUT, "Evaluation conformance")
     return 0
 
 

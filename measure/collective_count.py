@@ -25,17 +25,21 @@ Attribution, first rule that matches:
    on the first forward after the first synced backward); any other dtype is the buffer sync
    (``broadcast_buffers``: one coalesced broadcast per buffer dtype, e.g. float32 running stats
    and int64 ``num_batches_tracked``), which DDP runs on the first forward after a synced one.
-3. ``grad_buckets``: an all_reduce of one tensor whose size equals a gradient bucket of the
+3. ``buffer_broadcast``: the broadcast of :class:`parallel.buffer_sync.BufferBroadcast` (inside its
+   ``SyncedDataParallel.broadcast_buffers`` profiler label): rank 0's buffers, all packed in one
+   uint8 tensor, before each training forward (``broadcast_buffers=True``; none when every buffer
+   is a SyncBN statistic), and once before validation / at the end of fit.
+4. ``grad_buckets``: an all_reduce of one tensor whose size equals a gradient bucket of the
    strategy's ``SyncedDataParallel`` (``model.buckets``, flags included). Another all_reduce of
    exactly a bucket's size would be counted here too; none in this project has one.
-4. ``ddp_grad_buckets``: with a torch DDP model, a floating-point all_reduce issued during
+5. ``ddp_grad_buckets``: with a torch DDP model, a floating-point all_reduce issued during
    backward (inside the autograd engine: DDP's reducer hooks).
-5. ``lightning_sigterm``: the LAST broadcast from rank 0 of one 1-element integer tensor before
+6. ``lightning_sigterm``: the LAST broadcast from rank 0 of one 1-element integer tensor before
    the batch's ``on_train_batch_start``: Lightning's ``_broadcast_sigterm_tensor``
    (loops/training_epoch_loop.py), run before every training batch (micro-batches included) when
    world size > 1. The last, because ``broadcast_object_list`` (a checkpoint callback between
    batches) also starts with one, and no collective runs between the flag and the batch's hooks.
-6. ``other``: everything else (``self.log(sync_dist=True)``, metric syncs, ZeRO-1 parameter
+7. ``other``: everything else (``self.log(sync_dist=True)``, metric syncs, ZeRO-1 parameter
    broadcasts, barriers, evaluation).
 
 ``bytes`` is this rank's payload: the tensor it contributes (all_reduce, broadcast, the local
@@ -55,11 +59,12 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from parallel.buffer_sync import BUFFER_BROADCAST
 from parallel.grad_sync import SyncedDataParallel
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
-SOURCES = ("lightning_sigterm", "syncbn_forward", "syncbn_backward", "grad_buckets",
+SOURCES = ("lightning_sigterm", "syncbn_forward", "syncbn_backward", "buffer_broadcast", "grad_buckets",
            "ddp_grad_buckets", "ddp_buffers", "ddp_bucket_rebuild", "other")
 MARKER = "collective_count::on_train_batch_start"  # recorded by the callback at on_train_batch_start
 # c10d op (without "c10d::") -> (kind, index of the argument holding this rank's payload).
@@ -149,11 +154,13 @@ def _payload(event: Any, op: str) -> tuple[list[Any], Any]:
 
 
 def _source(kind: str, ancestors: list[str], shapes: tuple, dtype: str, hints: _Hints) -> str:
-    """Rules 1-4 and 6 of the module docstring (rule 5 needs the whole window)."""
+    """Rules 1-5 and 7 of the module docstring (rule 6 needs the whole window)."""
     if _SYNCBN_FORWARD.intersection(ancestors):
         return "syncbn_forward"
     if _SYNCBN_BACKWARD.intersection(ancestors):
         return "syncbn_backward"
+    if BUFFER_BROADCAST in ancestors:
+        return "buffer_broadcast"
     if "DistributedDataParallel.forward" in ancestors and kind == "broadcast":
         return "ddp_bucket_rebuild" if dtype == "int32" else "ddp_buffers"
     if kind == "all_reduce" and len(shapes) == 1 and torch.Size(shapes[0]).numel() in hints.bucket_numels:
@@ -204,7 +211,7 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
         for start, event, ancestors in found
     ]
     sigterm = [i for i, c in enumerate(collectives) if _is_sigterm_candidate(c)]
-    if sigterm:  # rule 5: the last candidate
+    if sigterm:  # rule 6: the last candidate
         collectives[sigterm[-1]] = replace(collectives[sigterm[-1]], source="lightning_sigterm")
     return collectives
 

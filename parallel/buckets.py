@@ -24,9 +24,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bucket", "assign_buckets", "build_buckets", "describe_buckets"]
+__all__ = ["Bucket", "assign_buckets", "build_buckets", "describe_buckets", "is_view_of"]
 
 _MB = 1024 * 1024
+
+
+def is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``grad`` is the bucket slice ``view`` itself (same memory, same shape)."""
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
 
 @dataclass(eq=False)
@@ -69,6 +74,39 @@ class Bucket:
     def status(self) -> torch.Tensor:
         """The status slots at the tail of ``buffer`` (empty unless ``status_slots``)."""
         return self.buffer[self.buffer.numel() - self.status_slots :]
+
+    def write_status(self, rank: int, value: int) -> None:
+        """Put this rank's status in its slot, zeros in the others' (the all-reduce adds them up)."""
+        self.status.zero_()
+        self.status[rank] = value
+
+    def read_status(self, world_size: int) -> tuple[int, ...]:
+        """Every rank's status after the all-reduce."""
+        # Slot r held rank r's value, zeros elsewhere, pre-divided by the world size like the
+        # gradients: the sum is value / world_size, within 0.25 of it after rescaling even in
+        # bfloat16 (8 significant bits) for values < 128, so rounding recovers it exactly.
+        scaled = self.status.float() * world_size
+        return tuple(int(v) for v in scaled.round().tolist())
+
+    def start_all_reduce(self, group: dist.ProcessGroup | None, world_size: int,
+                         wire_dtype: torch.dtype | None = None) -> None:
+        """Start the async sum of ``buffer`` / ``world_size`` over ``group``, in ``wire_dtype`` if given."""
+        # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
+        self.buffer.div_(world_size)
+        wire = self.buffer
+        if wire_dtype is not None and wire.dtype in (torch.float32, torch.float64):
+            wire = wire.to(wire_dtype)
+        self.wire = wire
+        self.work = dist.all_reduce(wire, group=group, async_op=True)
+
+    def wait(self) -> None:
+        """Wait for the all-reduce started by :meth:`start_all_reduce` (if any) and copy the result back."""
+        if self.work is None:
+            return
+        self.work.wait()
+        if self.wire is not self.buffer:
+            self.buffer.copy_(self.wire)
+        self.work, self.wire = None, None
 
     def reset(self) -> None:
         """Forget the last step's all-reduce; the gradients stay in ``buffer``."""

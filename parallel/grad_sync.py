@@ -7,80 +7,60 @@ averages gradients over a process group. The training step is::
     for i, batch in enumerate(micro_batches):      # k micro-batches per optimizer step
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss_fn(model(batch)).backward()       # no communication inside no_sync
-    model.finish()                                  # p.grad now holds the average over ranks
-    optimizer.step(); optimizer.zero_grad()
+            loss_fn(model(batch)).backward()       # no gradient communication inside no_sync
+    optimizer.step(); optimizer.zero_grad()        # p.grad held the rank average when backward returned
 
 Gradients live as views into flat bucket buffers (:mod:`parallel.buckets`), so micro-batches
-accumulate in place into the memory that is all-reduced. Modes, for comparison:
+accumulate in place into the memory that is all-reduced. Modes: ``bucketed`` (a bucket's async
+all-reduce starts from the post-accumulate-grad hooks once its gradients are in, overlapping the
+rest of backward), ``per_param_overlap`` (the same, one parameter per bucket), ``flat`` (one
+all-reduce per dtype at the end of backward), ``per_param`` (blocking, one per parameter).
 
-- ``bucketed``: a bucket's async all-reduce starts from the parameters' post-accumulate-grad
-  hooks as soon as all its gradients are in, so communication overlaps the rest of backward.
-- ``per_param_overlap``: the same with one parameter per bucket.
-- ``flat``: one all-reduce of all gradients (one bucket per dtype), started by :meth:`finish`.
-- ``per_param``: one blocking all-reduce per parameter, run by :meth:`finish`.
+Gradients are final when backward returns, as with torch DDP: the first gradient hook of a synced
+backward queues :meth:`~SyncedDataParallel.finish` as an autograd-engine callback (run once the
+graph is done, before ``backward()`` returns), so ``on_after_backward``, clipping and code after
+``manual_backward`` read the rank average, never a buffer an all-reduce is still writing. Calling
+``finish()`` again is a no-op; it still joins a rank whose backward produced no gradient. Two
+synced backward passes in one step are each averaged and add up, as in one process.
 
-Every rank launches buckets in the same fixed order: a bucket whose gradients are ready waits
-for the buckets before it, because collectives are matched by issue order. Buckets that are not
-complete at :meth:`finish` (parameters unused in this backward) are launched there, with zeros
-for the missing gradients, so ranks never desynchronise; a parameter that no rank produced a
-gradient for keeps ``grad=None``.
+Every rank launches buckets in one fixed order; a gradient missing at the end of backward travels
+as zeros with a "used" flag, so ranks never desynchronise and one no rank used keeps ``grad=None``.
 
-Rank status (``carry_rank_status=True``): each rank may set a small integer
-(:meth:`~SyncedDataParallel.set_rank_status`, e.g. "a SIGTERM arrived here"); it travels in the
-last bucket of the step's all-reduce, one slot per rank, and after :meth:`finish` every rank reads
-the same tuple of every rank's value (:attr:`~SyncedDataParallel.rank_status`). Every rank thereby
-takes the same decision at the same optimizer step, without a collective of its own. Pure torch;
-no Lightning import.
+A change of ``requires_grad`` (unfreezing, freezing again; the same on every rank) is noticed at the
+next forward with gradients enabled (one tuple of flags compared) and rebuilds the buckets and
+hooks (within a step: averaged at its end); torch DDP leaves such parameters out for good. Sparse
+gradients stay out of the buckets (:mod:`parallel.sparse_grads`); ``broadcast_buffers`` gives
+every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.buffer_sync`).
+
+Rank status (``carry_rank_status=True``): a small integer per rank (:meth:`~SyncedDataParallel.
+set_rank_status`, e.g. "a SIGTERM arrived") rides in the last bucket; after the step every rank reads
+every rank's value (:attr:`~SyncedDataParallel.rank_status`) without a collective of its own. Pure torch.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
-from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets
+from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets, is_view_of
+from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
-from parallel.sync_config import (
-    DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_FIRST_BUCKET_CAP_MB,
-    GRAD_COMPRESSIONS,
-    MODES_LAUNCHED_FROM_HOOKS,
-    SYNC_MODES,
-    WIRE_DTYPES,
-    caps_for_mode,
-)
+from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
+from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, MODES_LAUNCHED_FROM_HOOKS,
+                                   WIRE_DTYPES, caps_for_mode, check_sync_options)
 
 __all__ = ["SyncedDataParallel"]
 
 log = logging.getLogger(__name__)
-
-_COMPRESSIONS = (None, *GRAD_COMPRESSIONS)
-
-
-def _check_options(
-    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
-) -> None:
-    if mode not in SYNC_MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
-    for name, cap in caps.items():
-        if not cap > 0:
-            raise ValueError(
-                f"{name}={cap} must be > 0 MiB (mode='per_param' puts each parameter alone)"
-            )
-    if grad_compression not in _COMPRESSIONS:
-        raise ValueError(f"grad_compression={grad_compression!r} is not one of {_COMPRESSIONS}")
-
-
-def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
 
 class SyncedDataParallel(nn.Module):
@@ -99,6 +79,8 @@ class SyncedDataParallel(nn.Module):
             :data:`parallel.sync_config.GradCompression`).
         broadcast_init: Broadcast rank 0's parameters and buffers at construction.
         carry_rank_status: Reserve one slot per rank in the last bucket for :meth:`set_rank_status`.
+        broadcast_buffers: Give every rank rank 0's buffers before each forward with gradients
+            enabled (torch DDP's ``broadcast_buffers``); SyncBN statistics are left out.
     """
 
     def __init__(
@@ -112,9 +94,10 @@ class SyncedDataParallel(nn.Module):
         grad_compression: str | None = None,
         broadcast_init: bool = True,
         carry_rank_status: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
-        _check_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
+        check_sync_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
         self.module = module
         self._process_group = process_group
         self._world_size = group_world_size(process_group)
@@ -122,26 +105,39 @@ class SyncedDataParallel(nn.Module):
         self._compression = grad_compression
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
-        # Reverse registration order approximates the order backward produces gradients in.
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        cap_mb, first_cap_mb = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
-        slots = self._world_size if carry_rank_status else 0
-        self._buckets = build_buckets(params, assign_buckets(params, cap_mb, first_cap_mb), slots)
+        self._caps = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
+        self._status_slots = self._world_size if carry_rank_status else 0
         self._rank = dist.get_rank(process_group) if self._world_size > 1 else 0
         self._local_status = 0
         self._rank_status: tuple[int, ...] | None = None
-        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", mode, self._world_size,
-                  describe_buckets(self._buckets, module))
-        self._hook_handles = [
-            param.register_post_accumulate_grad_hook(
-                functools.partial(self._on_grad_ready, bucket, slot)
-            )
-            for bucket in self._buckets
-            for slot, param in enumerate(bucket.params)
-        ]
+        self._buffer_sync = (BufferBroadcast(module, process_group)
+                             if broadcast_buffers and self._world_size > 1 else None)
+        self._hook_handles: list[Any] = []
+        self._build()
         self._sync_enabled = True
         self._armed = False  # a synced forward/backward ran since the last finish()
+        self._finish_queued = False  # finish() waits as a callback at the end of this backward
         self._next_launch = 0  # index of the first bucket not launched yet
+        self.last_finish_s = 0.0
+
+    def _build(self) -> None:
+        """(Re)build the buckets and hooks for the parameters that require gradients now."""
+        self.remove_hooks()
+        self._params = list(self.module.parameters())
+        self._trainable = tuple(p.requires_grad for p in self._params)
+        sparse = sparse_gradient_params(self.module)
+        # Reverse registration order approximates the order backward produces gradients in.
+        trainable = [p for p in self._params if p.requires_grad][::-1]
+        dense = [p for p in trainable if p not in sparse]
+        self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
+        self._buckets = build_buckets(dense, assign_buckets(dense, *self._caps), self._status_slots)
+        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._mode, self._world_size,
+                  describe_buckets(self._buckets, self.module))
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, slot))
+            for bucket in self._buckets
+            for slot, param in enumerate(bucket.params)
+        ] + [param.register_post_accumulate_grad_hook(self._on_sparse_grad_ready) for param in self._sparse.params]
 
     @property
     def mode(self) -> str:
@@ -180,9 +176,21 @@ class SyncedDataParallel(nn.Module):
         return tuple(self._buckets)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sync_enabled and torch.is_grad_enabled():
-            self._armed = True
+        if torch.is_grad_enabled():
+            if self._trainable != tuple(p.requires_grad for p in self._params) and self._next_launch == 0:
+                log.info("SyncedDataParallel: the parameters requiring gradients changed; rebuilding the buckets")
+                self._build()
+            if self._buffer_sync is not None:
+                self._buffer_sync.before_forward()
+            if self._sync_enabled:
+                self._armed = True
         return self.module(*args, **kwargs)
+
+    def sync_buffers(self) -> None:
+        """Every rank, at the same point (before evaluation, at the end of fit): rank 0's buffers if a
+        training forward may have changed them since the last broadcast."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.broadcast_if_stale()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -196,24 +204,41 @@ class SyncedDataParallel(nn.Module):
     def finish(self) -> None:
         """Complete this backward's all-reduce: afterwards every ``p.grad`` holds the rank average.
 
-        Launches, in bucket order, what backward did not (every bucket in ``flat`` and
-        ``per_param``; buckets with unused parameters otherwise), then waits for all of them.
+        Runs by itself at the end of every synced backward. Launches, in bucket order, what
+        backward did not (every bucket in ``flat`` and ``per_param``; buckets with unused
+        parameters otherwise), averages the sparse gradients, then waits for all of them.
         A no-op inside :meth:`no_sync` or when nothing ran since the last call.
         """
         if not self._sync_enabled or not self._armed:
             return
+        started = time.perf_counter()
         blocking = self._mode == "per_param"
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
             if blocking:
                 self._complete(bucket)
-        if not blocking:
-            for bucket in self._buckets:
-                self._complete(bucket)
+        self._average_params_unfrozen_in_step()
+        statuses = self._sparse.average(self._local_status)
+        if self._status_slots and not self._buckets and statuses is not None:
+            self._rank_status = statuses  # every gradient is sparse: the status rode with the sparse counts
         for bucket in self._buckets:
+            self._complete(bucket)
             bucket.reset()
         self._next_launch = 0
         self._armed = False
+        self._finish_queued = False
+        self.last_finish_s = time.perf_counter() - started  # diagnostic: the exposed wait at the end of backward
+
+    def _average_params_unfrozen_in_step(self) -> None:
+        # requires_grad turned on after this step's forward began (inside training_step): those parameters
+        # have no hook yet; average them in extra buckets now. The next forward rebuilds the layout.
+        if self._trainable == tuple(p.requires_grad for p in self._params):
+            return
+        synced = {p for bucket in self._buckets for p in bucket.params} | set(self._sparse.params)
+        extra = [p for p in self._params if p.requires_grad and p not in synced]
+        for bucket in build_buckets(extra, assign_buckets(extra, math.inf, math.inf)):
+            self._launch(bucket)
+            self._complete(bucket)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters (before unwrapping it)."""
@@ -221,23 +246,36 @@ class SyncedDataParallel(nn.Module):
             handle.remove()
         self._hook_handles.clear()
 
+    def _arm_finish(self) -> None:
+        self._armed = True
+        if not self._finish_queued:
+            # Runs once autograd has executed the whole graph, before backward() returns (torch DDP's
+            # reducer queues its finalizer the same way).
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self.finish)
+
+    def _on_sparse_grad_ready(self, param: torch.Tensor) -> None:
+        if self._sync_enabled:
+            self._arm_finish()
+
     def _on_grad_ready(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
         view = bucket.views[slot]
-        if param.grad is not None and not _is_view_of(param.grad, view):
+        if param.grad is not None and not is_view_of(param.grad, view):
             # Grads were set to None (zero_grad default): autograd allocated a fresh gradient.
             # Move it into the bucket once; later micro-batches accumulate into the view itself.
             view.copy_(param.grad)
             param.grad = view
         if not self._sync_enabled:
             return
-        self._armed = True
+        self._arm_finish()
         if self._mode not in MODES_LAUNCHED_FROM_HOOKS:
             return
         if bucket.launched:  # the all-reduce is reading this buffer right now
             raise RuntimeError(
                 f"A gradient arrived for a bucket whose all-reduce already started (bucket "
-                f"{bucket.index}): call finish() after each synced backward, and run extra "
-                "backward passes of the same step inside no_sync()."
+                f"{bucket.index}): a parameter produced its gradient twice in one backward "
+                "(a nested backward, e.g. reentrant activation checkpointing around it); use "
+                "torch.utils.checkpoint(..., use_reentrant=False)."
             )
         if bucket.ready[slot]:
             return
@@ -256,37 +294,22 @@ class SyncedDataParallel(nn.Module):
                 view.zero_()
                 bucket.flags[slot] = 0
                 bucket.all_used = False
-            elif not _is_view_of(param.grad, view):
+            elif not is_view_of(param.grad, view):
                 view.copy_(param.grad)
                 param.grad = view
         if bucket.status_slots:
-            bucket.status.zero_()
-            bucket.status[self._rank] = self._local_status
+            bucket.write_status(self._rank, self._local_status)
         bucket.launched = True
         self._next_launch = bucket.index + 1
-        if self._world_size == 1:
-            return
-        # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
-        bucket.buffer.div_(self._world_size)
-        wire = bucket.buffer
-        if self._compression is not None and wire.dtype in (torch.float32, torch.float64):
-            wire = wire.to(WIRE_DTYPES[self._compression])
-        bucket.wire = wire
-        bucket.work = dist.all_reduce(wire, group=self._process_group, async_op=True)
+        if self._world_size > 1:
+            wire_dtype = None if self._compression is None else WIRE_DTYPES[self._compression]
+            bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype)
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s all-reduce and point each parameter's grad at its average."""
-        if bucket.work is not None:
-            bucket.work.wait()
-            if bucket.wire is not bucket.buffer:
-                bucket.buffer.copy_(bucket.wire)
-            bucket.work, bucket.wire = None, None
+        bucket.wait()
         if bucket.status_slots:
-            # Slot r held rank r's value, zeros elsewhere, pre-divided by the world size like the
-            # gradients: the sum is value / world_size, within 0.25 of it after rescaling even in
-            # bfloat16 (8 significant bits) for values < 128, so rounding recovers it exactly.
-            scaled = bucket.status.float() * self._world_size
-            self._rank_status = tuple(int(v) for v in scaled.round().tolist())
+            self._rank_status = bucket.read_status(self._world_size)
         if bucket.all_used:
             return
         # Some local gradient was missing: a parameter no rank used keeps grad=None, one that

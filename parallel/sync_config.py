@@ -21,6 +21,7 @@ __all__ = [
     "GradCompression",
     "SyncMode",
     "caps_for_mode",
+    "check_sync_options",
 ]
 
 SyncMode = Literal["bucketed", "flat", "per_param", "per_param_overlap"]
@@ -59,3 +60,20 @@ def caps_for_mode(mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float) -
     if mode == "flat":
         return math.inf, math.inf
     return bucket_cap_mb, first_bucket_cap_mb
+
+
+def check_sync_options(
+    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
+) -> None:
+    """Raise ``ValueError`` naming the first bad gradient-sync option and its choices."""
+    if mode not in SYNC_MODES:
+        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
+    for name, cap in caps.items():
+        if not cap > 0:
+            raise ValueError(
+                f"{name}={cap} must be > 0 MiB (mode='per_param' puts each parameter alone)"
+            )
+    compressions = (None, *GRAD_COMPRESSIONS)
+    if grad_compression not in compressions:
+        raise ValueError(f"grad_compression={grad_compression!r} is not one of {compressions}")

@@ -14,9 +14,12 @@ Lightning's. It replaces three things, each through a public seam of the strateg
 2. **Gradients** (``sync_mode``, ``bucket_cap_mb``): the module is wrapped in
    :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
    non-stepping micro-batches of ``accumulate_grad_batches`` inside ``block_backward_sync`` ->
-   ``no_sync()``: no gradient collective at all. ``post_backward`` (after backward, before the
-   precision plugin unscales/clips and ``on_before_optimizer_step``) calls ``finish()``, which
-   leaves rank-averaged gradients in ``p.grad``. ``zero1`` re-creates each optimizer as a
+   ``no_sync()``: no gradient collective at all. A synced backward waits for its buckets in an
+   autograd-engine callback before it returns, so ``on_after_backward``, code after
+   ``manual_backward``, clipping and ``on_before_optimizer_step`` read rank-averaged gradients;
+   ``post_backward`` calls ``finish()`` (then a no-op, or the join of a rank whose backward made no
+   gradient) and reads the preemption flag that rode in the last bucket. Buffers: rank 0's before
+   each training forward (``broadcast_buffers``, as ddp). ``zero1`` re-creates each optimizer as a
    :class:`parallel.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
@@ -110,6 +113,10 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): a rank issuing a different collective ends the run
             with an error naming both sides instead of a wait; costs a few ms per collective of a
             step on 2 CPU ranks (:mod:`strategies.desync`, ``benchmarks/results/desync_cost``).
+        broadcast_buffers: As torch DDP's: rank 0's buffers on every rank before each training
+            forward, in one collective (:mod:`parallel.buffer_sync`); SyncBN statistics are left
+            out, so with every BatchNorm synchronised nothing is sent. Also before validation and
+            at the end of fit.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum (:mod:`strategies.preemption`).
@@ -136,9 +143,11 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         desync_check: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
-                      grad_compression=grad_compression, syncbn_group_size=syncbn_group_size)
+                      grad_compression=grad_compression, syncbn_group_size=syncbn_group_size,
+                      broadcast_buffers=broadcast_buffers)
         check_desync_option(desync_check)
         super().__init__(
             accelerator=accelerator,
@@ -160,6 +169,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
         self._desync_check = desync_check
+        self._broadcast_buffers = broadcast_buffers
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
@@ -200,6 +210,10 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         return self._desync_check
 
     @property
+    def broadcast_buffers(self) -> bool:
+        return self._broadcast_buffers
+
+    @property
     def options(self) -> dict[str, Any]:
         """This strategy's own settings, for logs, hyperparameters and benchmark records."""
         return {
@@ -212,6 +226,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             "zero1": self._zero1,
             "scatter_eval": self._scatter_eval,
             "desync_check": self._desync_check,
+            "broadcast_buffers": self._broadcast_buffers,
         }
 
     # ----------------------------------------------------------------- setup / teardown
@@ -269,7 +284,8 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         # carry_rank_status: the stop flag of strategies.preemption rides in the last gradient bucket.
         return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb,
                                   first_bucket_cap_mb=self._first_bucket_cap_mb,
-                                  grad_compression=self._grad_compression, carry_rank_status=True)
+                                  grad_compression=self._grad_compression, carry_rank_status=True,
+                                  broadcast_buffers=self._broadcast_buffers)
 
     @override
     def configure_ddp(self) -> None:
@@ -320,8 +336,24 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         # Runs inside the optimizer closure: before unscaling, clipping and on_before_optimizer_step.
         if isinstance(self.model, SyncedDataParallel):
-            self.model.finish()
+            self.model.finish()  # already done at the end of backward, unless this rank made no gradient
             self._preemption.after_gradient_sync(self.model)
+
+    def _sync_buffers(self) -> None:
+        # Rank 0's buffers before every rank evaluates and at the end of fit (checkpoint, return):
+        # every rank reaches these points, unlike a per-batch evaluation forward.
+        if isinstance(self.model, SyncedDataParallel):
+            self.model.sync_buffers()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_buffers()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._sync_buffers()
+        super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -15,11 +15,13 @@ __all__ = ["as_timedelta", "check_options", "check_syncbn_group_size", "is_mean_
 def check_options(
     sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any, *,
     first_bucket_cap_mb: Any = DEFAULT_FIRST_BUCKET_CAP_MB, grad_compression: Any = None, syncbn_group_size: Any = None,
+    broadcast_buffers: Any = True,
 ) -> None:
     """Raise one error that lists every bad option with its fix."""
     problems = [
         f"{name}={value!r} must be a bool"
-        for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval))
+        for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval),
+                            ("broadcast_buffers", broadcast_buffers))
         if not isinstance(value, bool)
     ]
     if sync_mode not in SYNC_MODES:

@@ -88,18 +88,25 @@ def _stepping(batch_idx: int) -> bool:
     return batch_idx % ACCUMULATE == ACCUMULATE - 1
 
 
-def test_custom_ddp_counts_per_micro_batch_by_source(tmp_path) -> None:
-    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+@pytest.mark.parametrize("sync_batchnorm", [True, False], ids=["syncbn", "local-bn"])
+def test_custom_ddp_counts_per_micro_batch_by_source(tmp_path, sync_batchnorm: bool) -> None:
+    # SyncBN: every buffer is a SyncBN statistic, so broadcast_buffers (on by default) sends nothing.
+    # Local BN: ONE broadcast of every running stat before each training forward, micro-batches included.
+    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), sync_batchnorm=sync_batchnorm)
     for windows, bucket_bytes in _fit(tmp_path, strategy, batchnorm=True):
         buckets = len(bucket_bytes)
         assert buckets >= 1
         batches = [w for w in windows if w["batch_idx"] is not None]
         assert [w["batch_idx"] for w in batches] == list(range(SAMPLES // WORLD_SIZE // BATCH))
         for w in batches:
-            expected = {"lightning_sigterm": 1, "syncbn_forward": 2, "syncbn_backward": 2}
+            expected = ({"lightning_sigterm": 1, "syncbn_forward": 2, "syncbn_backward": 2} if sync_batchnorm
+                        else {"lightning_sigterm": 1, "buffer_broadcast": 1})
             if _stepping(w["batch_idx"]):
                 expected["grad_buckets"] = buckets
             assert w["counts"] == expected, w["batch_idx"]
+            if not sync_batchnorm:  # (2 x 16 + 2 x 8) float32 running stats + 2 int64 num_batches_tracked
+                assert w["bytes"]["buffer_broadcast"] == 4 * (2 * 16 + 2 * 8) + 2 * 8
+                continue
             # Payloads: an int64 flag; per layer [count, mean, M2] (2C+1) and [sum_dy, sum_dy_xmu] (2C).
             assert w["bytes"]["lightning_sigterm"] == 8
             assert w["bytes"]["syncbn_forward"] == 4 * ((2 * 16 + 1) + (2 * 8 + 1))

@@ -73,7 +73,7 @@ def _snapshot(net: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | No
 
 def _train_synced(
     rank: int, world_size: int, mode: str, k: int, dtype: torch.dtype, options: dict,
-    device: str = "cpu",
+    device: str = "cpu", call_finish: bool = True,
 ) -> dict:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -88,8 +88,12 @@ def _train_synced(
             with model.no_sync() if j < k - 1 else contextlib.nullcontext():
                 out = model(x[rank, j], _uses_branch(step, rank, j, k))
                 (_loss(out, y[rank, j]) / k).backward()
-        model.finish()
-        grads = _snapshot(net)
+        grads = _snapshot(net)  # as backward returned: what on_after_backward reads
+        if call_finish:
+            model.finish()  # a no-op now; it must not change anything
+            assert _snapshot(net).keys() == grads.keys()
+            for name, (_, grad) in _snapshot(net).items():
+                assert (grad is None) == (grads[name][1] is None) and (grad is None or torch.equal(grad, grads[name][1]))
         optimizer.step()
     return {name: (param, grads[name][1]) for name, (param, _) in _snapshot(net).items()}
 
@@ -136,6 +140,22 @@ def test_two_rank_training_matches_single_process(tmp_path, mode, k):
     assert reference["never_used.weight"][1] is None and reference["branch.weight"][1] is None
     for result in results:
         _assert_close_to_reference(result, reference, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", SYNC_MODES)
+def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode):
+    # No finish() at all: the average must be in p.grad when backward() returns, every run the
+    # same bits (no read races an all-reduce still writing the buffer).
+    runs = [run_workers(_train_synced, _WORLD_SIZE, args=(mode, 2, torch.float64, {}, "cpu", False),
+                        init_file=tmp_path / f"store{i}") for i in range(3)]
+    reference = _train_reference(_WORLD_SIZE, 2)
+    for results in runs:
+        for result in results:
+            _assert_close_to_reference(result, reference, atol=1e-6)
+            for name, (param, grad) in result.items():
+                same = runs[0][0][name]
+                assert torch.equal(param, same[0]) and (grad is None or torch.equal(grad, same[1])), name
 
 
 @pytest.mark.distributed
@@ -226,11 +246,12 @@ def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_p
     counts = run_workers(_comm_counts, _WORLD_SIZE, args=(mode, 3), init_file=tmp_path / "store")[0]
     buckets = counts["buckets"]
     assert buckets == 1 if mode == "flat" else buckets > 1
-    overlapped = mode in ("bucketed", "per_param_overlap")
+    # Overlapped modes launch from the gradient hooks, the others from the end-of-backward callback:
+    # either way every all-reduce runs before backward() returns, and finish() has nothing left.
     assert counts == {
         "no_sync": 0,
-        "backward": buckets if overlapped else 0,  # launched from the gradient hooks
-        "finish": 0 if overlapped else buckets,
+        "backward": buckets,
+        "finish": 0,
         "finish_again": 0,
         "buckets": buckets,
     }
@@ -282,11 +303,16 @@ def test_world_size_one_without_process_group_matches_plain_training():
         torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
 
 
-def test_second_backward_without_finish_is_an_error():
-    model = SyncedDataParallel(nn.Linear(4, 4))
-    model(torch.randn(2, 4)).sum().backward()
-    with pytest.raises(RuntimeError, match="call finish"):
-        model(torch.randn(2, 4)).sum().backward()
+def test_two_synced_backward_passes_in_one_step_add_up_as_in_one_process():
+    torch.manual_seed(0)
+    plain, wrapped_net = nn.Linear(4, 4), nn.Linear(4, 4)
+    wrapped_net.load_state_dict(plain.state_dict())
+    model = SyncedDataParallel(wrapped_net)
+    for x in (torch.randn(2, 4), torch.randn(3, 4)):
+        plain(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+    for p, q in zip(plain.parameters(), wrapped_net.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
 
 
 @pytest.mark.parametrize(

@@ -51,3 +51,12 @@ def test_readme_conformance_table_matches_its_record():
 
     current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()))
     assert current == fresh, "README.md's conformance table is stale: run python -m conformance.table"
+
+
+def test_readme_training_conformance_table_matches_its_record():
+    from conformance.table import update_readme
+    from conformance.training_table import BEGIN, DEFAULT_OUT, END, render
+
+    current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()), render_record=render,
+                                   begin=BEGIN, end=END)
+    assert current == fresh, "README.md's training table is stale: run python -m conformance.training_table"

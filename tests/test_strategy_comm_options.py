@@ -50,6 +50,7 @@ def test_options_are_recorded_as_hyperparameters_and_in_benchmark_records() -> N
 def test_defaults_are_torch_ddps() -> None:
     options = CustomDDPStrategy().options
     assert (options["grad_compression"], options["first_bucket_cap_mb"], options["syncbn_group_size"]) == (None, 1.0, None)
+    assert options["broadcast_buffers"] is True  # DDP's broadcast_buffers default
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,7 @@ def test_defaults_are_torch_ddps() -> None:
         ({"syncbn_group_size": 0}, "syncbn_group_size=0 must be None (all ranks) or an int >= 1"),
         ({"syncbn_group_size": True}, "syncbn_group_size=True must be None"),
         ({"syncbn_group_size": 2, "sync_batchnorm": False}, "syncbn_group_size=2 needs sync_batchnorm=True"),
+        ({"broadcast_buffers": "yes"}, "broadcast_buffers='yes' must be a bool"),
     ],
 )
 def test_bad_options_name_the_value_and_the_fix(kwargs: dict, message: str) -> None:
