@@ -33,7 +33,7 @@ def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
         "parallel.buckets", "parallel.dist_utils", "parallel.eval_sharding", "parallel.grad_sync",
         "parallel.metric_sync", "parallel.sync_config", "parallel.syncbn", "parallel.syncbn_function",
-        "parallel.uneven_gather", "parallel.zero",
+        "parallel.syncbn_kernels", "parallel.uneven_gather", "parallel.zero",
     ]
 
 

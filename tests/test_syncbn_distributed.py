@@ -8,7 +8,7 @@ collectives per forward and per backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -16,8 +16,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from collectives.launcher import run_workers
+import parallel.syncbn
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
+from parallel.syncbn_kernels import compiled_kernels
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +34,7 @@ class Case:
     momentum: float | None = 0.1
     channels_last: bool = False
     steps: int = 2
+    compile: bool = False  # SyncBatchNorm(compile=True), every input shape compiled (see _layer)
 
     @property
     def num_features(self) -> int:
@@ -86,9 +89,20 @@ def _train_and_eval(layer: nn.Module, case: Case, rows: slice, dtype: torch.dtyp
     }
 
 
+# The compiled set of SyncBatchNorm(compile=True) leaves small and (N, C) inputs to the eager
+# kernel; this one compiles every shape, so small test shapes run the compiled passes.
+COMPILE_EVERY_SHAPE = compiled_kernels(min_elements=0, spatial_only=False)
+
+
+def _layer(case: Case) -> SyncBatchNorm:
+    """The layer under test (in a worker process: it may swap the compiled set for that process)."""
+    if case.compile:
+        parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+    return SyncBatchNorm(case.num_features, momentum=case.momentum, compile=case.compile)
+
+
 def _sync_worker(rank: int, world_size: int, case: Case) -> dict:
-    layer = SyncBatchNorm(case.num_features, momentum=case.momentum)
-    return _train_and_eval(layer, case, case.shard(rank), torch.float32)
+    return _train_and_eval(_layer(case), case, case.shard(rank), torch.float32)
 
 
 def _reference(case: Case, dtype: torch.dtype = torch.float32) -> dict:
@@ -125,7 +139,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def _with_compiled(cases: dict[str, Case]) -> list:
+    """``cases`` as they are, then compiled (``slow``: a first compile takes ~20 s)."""
+    return [*(pytest.param(case, id=name) for name, case in cases.items()),
+            *(pytest.param(replace(case, compile=True), id=f"{name}-compiled", marks=pytest.mark.slow)
+              for name, case in cases.items())]
+
+
+@pytest.mark.parametrize("case", _with_compiled(CASES))
 def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
     results = run_workers(_sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store")
 
@@ -136,9 +157,9 @@ def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
             assert result["outputs"][0].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_large_offset_is_as_accurate_as_torch(tmp_path):
+@pytest.mark.parametrize("case", _with_compiled({"offset-1e4": Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)}))
+def test_large_offset_is_as_accurate_as_torch(tmp_path, case):
     """1e4 + N(0, 1) in fp32: the error vs an fp64 reference stays within torch's own."""
-    case = Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)
     results = run_workers(_sync_worker, 2, args=(case,), init_file=tmp_path / "store")
 
     exact = _reference(case, torch.float64)
@@ -159,7 +180,7 @@ def test_large_offset_is_as_accurate_as_torch(tmp_path):
 
 
 def _bf16_worker(rank: int, world_size: int, case: Case) -> dict:
-    layer = SyncBatchNorm(case.num_features)
+    layer = _layer(case)
     _init_affine(layer, case.num_features)
     x, grad, _ = case.batch(0, torch.bfloat16)
     x = x[case.shard(rank)].clone().requires_grad_()
@@ -169,8 +190,8 @@ def _bf16_worker(rank: int, world_size: int, case: Case) -> dict:
     return out.detach(), x.grad, layer.weight.grad, layer.running_mean, layer.running_var
 
 
-def test_bf16_autocast_keeps_fp32_statistics(tmp_path):
-    case = Case(sizes=(6, 10), feature_shape=(8, 4, 4), offset=3.0)
+@pytest.mark.parametrize("case", _with_compiled({"bf16": Case(sizes=(6, 10), feature_shape=(8, 4, 4), offset=3.0)}))
+def test_bf16_autocast_keeps_fp32_statistics(tmp_path, case):
     results = run_workers(_bf16_worker, 2, args=(case,), init_file=tmp_path / "store")
 
     # Reference in fp64 on exactly the bf16 values the ranks saw.
