@@ -46,6 +46,9 @@ def _strategy(path: str, **options: object) -> tuple[str, ...]:
 VARIANTS: dict[str, Variant] = {
     "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
                           "sync (25 MiB buckets), no buffer broadcast", _strategy(_CUSTOM, sync_batchnorm=True)),
+    "custom_ddp_compiled": Variant("custom_ddp (SyncBN, compiled)", "syncbn_compile=true: the SyncBatchNorm passes "
+                                   "torch.compile'd (compiled during the warm-up steps; inductor's disk cache shared by "
+                                   "the runs)", _strategy(_CUSTOM, sync_batchnorm=True, syncbn_compile=True)),
     "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU",
                                   _strategy(_CUSTOM, sync_batchnorm=False)),
     "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: gradient_as_bucket_view=False, "
