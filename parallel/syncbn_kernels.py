@@ -203,10 +203,18 @@ class _CompiledPass:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 -- any compile failure: eager gives the same result or the real error
             self._failure["error"] = error
-            first_line = (str(error).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"SyncBatchNorm(compile=True): torch.compile failed ({type(error).__name__}: {first_line});"
-                          " running the same math eagerly (slower, same results)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"SyncBatchNorm(compile=True): torch.compile failed ({_one_line(error)}); running the "
+                          "same math eagerly (slower, same results)", RuntimeWarning, stacklevel=2)
             return self._fn(*args)
+
+
+def _one_line(error: BaseException) -> str:
+    """``Outer <- Root: first line of the root cause`` (dynamo wraps a backend's error)."""
+    root = error
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    chain = type(error).__name__ + (f" <- {type(root).__name__}" if root is not error else "")
+    return f"{chain}: {(str(root).strip().splitlines() or [''])[0][:200]}"
 
 
 def compiled_kernels(

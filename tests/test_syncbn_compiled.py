@@ -25,7 +25,7 @@ from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 from parallel.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
 from test_syncbn_distributed import (
-    CASES, COMPILE_EVERY_SHAPE, _assert_matches, _reference, _sync_worker)
+    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, _assert_matches, _reference, _sync_worker)
 
 pytestmark = pytest.mark.distributed
 
@@ -51,7 +51,7 @@ def test_compiled_matches_eager_and_batch_norm_on_two_ranks(tmp_path):
     collective per forward and one per backward. (~20 s on a quiet machine with a cold inductor
     cache, each rank compiling its 4 graphs; a few seconds with a warm one.)"""
     case = replace(CASES["4d-conv"], compile=True, offset=5.0)
-    results = run_workers(_parity_worker, 2, args=(case,), init_file=tmp_path / "store")
+    results = run_workers(_parity_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=COMPILE_TIMEOUT_S)
 
     _assert_matches([r["compiled"] for r in results], _reference(case), atol=2e-5, rtol=1e-4)
     _assert_matches([r["compiled"] for r in results], _as_expected(results), atol=1e-5, rtol=1e-5)
@@ -75,27 +75,45 @@ def _failing_backend(graph_module, example_inputs):
     raise RuntimeError("simulated inductor failure")
 
 
-@pytest.mark.parametrize("failure", ["no-compiler", "backend-error"])
-def test_a_failing_compile_warns_once_and_runs_the_same_math_eagerly(monkeypatch, failure):
+# Compiling AND running a backward in the pytest process would break every later test that forks
+# ranks (torch: "Unable to handle autograd's threading in combination with fork-based
+# multiprocessing"), so every compiling test runs in a worker process, even a 1-rank one.
+def _fallback_worker(rank: int, world_size: int, failure: str) -> dict:
     if failure == "no-compiler":  # inductor cannot build its C++ (and has nothing cached to load)
-        monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-        monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-        monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
-        kernels = compiled_kernels(min_elements=0, spatial_only=False)
+        inductor_config.cpp.cxx = ("/nonexistent/g++",)
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
+        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
     else:
-        kernels = compiled_kernels(backend=_failing_backend, min_elements=0, spatial_only=False)
-    monkeypatch.setattr(parallel.syncbn, "COMPILED_KERNELS", kernels)
+        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(backend=_failing_backend, min_elements=0, spatial_only=False)
     compiled, eager = SyncBatchNorm(3, compile=True), SyncBatchNorm(3)
     x = 2.0 + torch.randn(4, 3, 5, 5, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            results = [_step(layer, x) for layer in (compiled, eager)]
-            torch.testing.assert_close(results[0], results[1])
-    messages = [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]
+        steps = [[_step(layer, x) for layer in (compiled, eager)] for _ in range(2)]
+    return {"steps": steps, "running_var": (compiled.running_var, eager.running_var),
+            "messages": [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]}
+
+
+def _failing_backend(graph_module, example_inputs):
+    raise RuntimeError("simulated inductor failure")
+
+
+@pytest.mark.parametrize("failure", ["no-compiler", "backend-error"])
+def test_a_failing_compile_warns_once_and_runs_the_same_math_eagerly(tmp_path, failure):
+    (result,) = run_workers(_fallback_worker, 1, args=(failure,), init_file=tmp_path / "store",
+                            timeout_s=COMPILE_TIMEOUT_S)
+
+    for compiled, eager in result["steps"]:
+        torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(*result["running_var"])
+    messages = result["messages"]
     assert len(messages) == 1 and "\n" not in messages[0], messages
     assert "running the same math eagerly" in messages[0]
-    torch.testing.assert_close(compiled.running_var, eager.running_var)
+    if failure == "backend-error":
+        assert "RuntimeError: simulated inductor failure" in messages[0], messages
+    else:
+        assert "No working C++ compiler" in messages[0], messages
 
 
 def _step(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,13 +140,9 @@ def test_layers_carry_the_option_through_convert_and_repr():
         SyncBatchNorm(4, compile="yes")
 
 
-@pytest.mark.slow
-def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(monkeypatch):
-    """The batch dimension is dynamic: after sizes 32, 9 and 1 (inductor keeps graphs for >= 17,
-    2-16 and 1), a ragged last batch or another batch size compiles nothing, nor does a second
-    layer of the same shape; a new layer shape compiles once more."""
-    monkeypatch.setattr(parallel.syncbn, "COMPILED_KERNELS", compiled_kernels(min_elements=0, spatial_only=False))
-    compiled = [SyncBatchNorm(16, compile=True), SyncBatchNorm(16, compile=True), SyncBatchNorm(8, compile=True)]
+def _recompile_worker(rank: int, world_size: int) -> list[int]:
+    parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+    layers = [SyncBatchNorm(16, compile=True), SyncBatchNorm(16, compile=True), SyncBatchNorm(8, compile=True)]
 
     def graphs_after(layer: nn.Module, *batch_sizes: int) -> int:
         before = counters["stats"]["unique_graphs"]
@@ -136,11 +150,21 @@ def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(monkeypatch):
             _step(layer, torch.randn(n, layer.num_features, 6, 6))
         return counters["stats"]["unique_graphs"] - before
 
-    first = graphs_after(compiled[0], 32, 9, 1)
+    return [graphs_after(layers[0], 32, 9, 1), graphs_after(layers[0], 31, 17, 64, 7, 2, 16),
+            graphs_after(layers[1], 32, 5), graphs_after(layers[2], 32, 5, 1)]
+
+
+@pytest.mark.slow
+def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(tmp_path):
+    """The batch dimension is dynamic: after sizes 32, 9 and 1 (inductor keeps graphs for >= 17,
+    2-16 and 1), a ragged last batch or another batch size compiles nothing, nor does a second
+    layer of the same shape; a new layer shape compiles once more."""
+    (first, new_sizes, same_shape, new_shape), = run_workers(_recompile_worker, 1, init_file=tmp_path / "store",
+                                                              timeout_s=COMPILE_TIMEOUT_S)
     assert 4 <= first <= 12, first  # 4 passes x at most 3 size classes
-    assert graphs_after(compiled[0], 31, 17, 64, 7, 2, 16) == 0  # ragged and new batch sizes
-    assert graphs_after(compiled[1], 32, 5) == 0  # another layer, same shape
-    assert graphs_after(compiled[2], 32, 5, 1) <= first  # a new shape: bounded like the first
+    assert new_sizes == 0  # ragged and new batch sizes
+    assert same_shape == 0  # another layer, same shape
+    assert new_shape <= first  # a new shape: bounded like the first
 
 
 def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compile: bool) -> tuple:
@@ -160,7 +184,8 @@ def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compil
 def test_fp16_and_bf16_inputs_match_the_eager_kernel(tmp_path, dtype):
     """Half-precision inputs (no autocast): fp32 statistics inside, results rounded once to the
     input dtype, so compiled and eager agree within one rounding of that dtype."""
-    got, want = (run_workers(_low_precision_worker, 2, args=(dtype, compile), init_file=tmp_path / f"store{compile}")
+    got, want = (run_workers(_low_precision_worker, 2, args=(dtype, compile), init_file=tmp_path / f"store{compile}",
+                             timeout_s=COMPILE_TIMEOUT_S)
                  for compile in (True, False))
     for (out, grad), (out_eager, grad_eager) in zip(got, want):
         assert out.dtype == grad.dtype == dtype

@@ -89,6 +89,15 @@ def _train_and_eval(layer: nn.Module, case: Case, rows: slice, dtype: torch.dtyp
     }
 
 
+# A worker that compiles (~20 s cold, several times that on a loaded machine) gets this long.
+COMPILE_TIMEOUT_S = 600.0
+
+
+def timeout_s(case: Case) -> float:
+    """The launcher's deadline for ``case``'s workers: the default unless they compile."""
+    return COMPILE_TIMEOUT_S if case.compile else 60.0
+
+
 # The compiled set of SyncBatchNorm(compile=True) leaves small and (N, C) inputs to the eager
 # kernel; this one compiles every shape, so small test shapes run the compiled passes.
 COMPILE_EVERY_SHAPE = compiled_kernels(min_elements=0, spatial_only=False)
@@ -148,7 +157,8 @@ def _with_compiled(cases: dict[str, Case]) -> list:
 
 @pytest.mark.parametrize("case", _with_compiled(CASES))
 def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
-    results = run_workers(_sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store")
+    results = run_workers(_sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store",
+                          timeout_s=timeout_s(case))
 
     _assert_matches(results, _reference(case), atol=2e-5, rtol=1e-4)
     for rank, result in enumerate(results):
@@ -160,7 +170,7 @@ def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
 @pytest.mark.parametrize("case", _with_compiled({"offset-1e4": Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)}))
 def test_large_offset_is_as_accurate_as_torch(tmp_path, case):
     """1e4 + N(0, 1) in fp32: the error vs an fp64 reference stays within torch's own."""
-    results = run_workers(_sync_worker, 2, args=(case,), init_file=tmp_path / "store")
+    results = run_workers(_sync_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case))
 
     exact = _reference(case, torch.float64)
     torch_fp32 = _reference(case, torch.float32)
@@ -192,7 +202,7 @@ def _bf16_worker(rank: int, world_size: int, case: Case) -> dict:
 
 @pytest.mark.parametrize("case", _with_compiled({"bf16": Case(sizes=(6, 10), feature_shape=(8, 4, 4), offset=3.0)}))
 def test_bf16_autocast_keeps_fp32_statistics(tmp_path, case):
-    results = run_workers(_bf16_worker, 2, args=(case,), init_file=tmp_path / "store")
+    results = run_workers(_bf16_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case))
 
     # Reference in fp64 on exactly the bf16 values the ranks saw.
     x, grad, _ = (t.double() for t in case.batch(0, torch.bfloat16))

@@ -49,7 +49,8 @@ _COMPILED_SUBSET = [pytest.param(4, hid_dim, 32, True, id=f"4-{hid_dim}-32-compi
     *_COMPILED_SUBSET])
 def test_shards_match_batchnorm1d_on_the_global_batch(tmp_path, num_workers, hid_dim, batch_size, compile):
     results = run_workers(
-        _grid_worker, num_workers, args=(hid_dim, batch_size, compile), init_file=tmp_path / "store"
+        _grid_worker, num_workers, args=(hid_dim, batch_size, compile), init_file=tmp_path / "store",
+        timeout_s=600.0 if compile else 60.0,  # compiling takes ~20 s cold, several times that under load
     )
 
     global_batch = _global_batch(num_workers, hid_dim, batch_size).requires_grad_()
