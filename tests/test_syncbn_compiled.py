@@ -25,7 +25,7 @@ from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 from parallel.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
 from test_syncbn_distributed import (
-    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, _assert_matches, _reference, _sync_worker)
+    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, _assert_matches, _no_silent_fallback, _reference, _sync_worker)
 
 pytestmark = pytest.mark.distributed
 
@@ -142,6 +142,7 @@ def test_layers_carry_the_option_through_convert_and_repr():
 
 def _recompile_worker(rank: int, world_size: int) -> list[int]:
     parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+    _no_silent_fallback()
     layers = [SyncBatchNorm(16, compile=True), SyncBatchNorm(16, compile=True), SyncBatchNorm(8, compile=True)]
 
     def graphs_after(layer: nn.Module, *batch_sizes: int) -> int:
@@ -169,6 +170,7 @@ def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(tmp_path):
 
 def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compile: bool) -> tuple:
     parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+    _no_silent_fallback()
     generator = torch.Generator().manual_seed(3)
     x, grad = (torch.randn(10, 6, 4, 4, generator=generator).to(dtype) for _ in range(2))
     rows = slice(0, 4) if rank == 0 else slice(4, 10)

@@ -8,6 +8,7 @@ collectives per forward and per backward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -107,7 +108,13 @@ def _layer(case: Case) -> SyncBatchNorm:
     """The layer under test (in a worker process: it may swap the compiled set for that process)."""
     if case.compile:
         parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+        _no_silent_fallback()
     return SyncBatchNorm(case.num_features, momentum=case.momentum, compile=case.compile)
+
+
+def _no_silent_fallback() -> None:
+    """In this (worker) process, a compile failure fails the test instead of falling back to eager."""
+    warnings.filterwarnings("error", message=r"SyncBatchNorm\(compile=True\): torch.compile failed")
 
 
 def _sync_worker(rank: int, world_size: int, case: Case) -> dict:
@@ -302,8 +309,11 @@ def _train_net(net: nn.Module, rows: slice, grad_scale: float, model=None, finis
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def _net_worker(rank: int, world_size: int, norm_kwargs: dict) -> dict:
-    net = SyncBatchNorm.convert(_conv_net(norm_kwargs))
+def _net_worker(rank: int, world_size: int, norm_kwargs: dict, compile: bool) -> dict:
+    if compile:
+        parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+        _no_silent_fallback()
+    net = SyncBatchNorm.convert(_conv_net(norm_kwargs), compile=compile)
     assert all(type(m) is not nn.BatchNorm2d for m in net.modules())
     synced = SyncedDataParallel(net)  # averages: scale the local sum so the average is the mean
     first = sum(_NET_SIZES[:rank])
@@ -311,9 +321,11 @@ def _net_worker(rank: int, world_size: int, norm_kwargs: dict) -> dict:
     return _train_net(net, rows, world_size / sum(_NET_SIZES), synced, synced.finish)
 
 
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("norm_kwargs", [{"bias": False}, {"affine": False}], ids=["no-bias", "no-affine"])
-def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs):
-    results = run_workers(_net_worker, 2, args=(norm_kwargs,), init_file=tmp_path / "store")
+def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs, compile):
+    results = run_workers(_net_worker, 2, args=(norm_kwargs, compile), init_file=tmp_path / "store",
+                          timeout_s=COMPILE_TIMEOUT_S if compile else 60.0)
 
     expected = _train_net(_conv_net(norm_kwargs), slice(None), 1 / sum(_NET_SIZES))
     for result in results:

@@ -8,6 +8,8 @@ statistics. Outputs and input gradients must match ``torch.nn.BatchNorm1d`` run 
 concatenated batch within ``atol=1e-3, rtol=0``.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ def _global_batch(num_workers: int, hid_dim: int, batch_size: int) -> torch.Tens
 def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int, compile: bool):
     if compile:  # (N, C) inputs: the compiled passes only run with a set that compiles every shape
         parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+        warnings.filterwarnings("error", message=r"SyncBatchNorm\(compile=True\): torch.compile failed")
     global_batch = _global_batch(world_size, hid_dim, batch_size)
     first = rank * batch_size
     local = global_batch[first : first + batch_size].clone().requires_grad_()
