@@ -1,6 +1,6 @@
 """SyncBatchNorm benchmark: does ``parallel.syncbn.SyncBatchNorm`` cost more than local BN plus its all-reduces?
 
-    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~4 minutes
+    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~6 minutes
     python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
     python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
 
