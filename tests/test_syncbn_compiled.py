@@ -24,16 +24,16 @@ import parallel.syncbn
 from collectives.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 from parallel.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
-from test_syncbn_distributed import (
-    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, _assert_matches, _no_silent_fallback, _reference, _sync_worker)
+from syncbn_cases import (
+    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, assert_matches, no_silent_fallback, reference, sync_worker)
 
 pytestmark = pytest.mark.distributed
 
 
 def _parity_worker(rank: int, world_size: int, case) -> dict:
-    eager = _sync_worker(rank, world_size, replace(case, compile=False))
+    eager = sync_worker(rank, world_size, replace(case, compile=False))
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled = _sync_worker(rank, world_size, case)
+    compiled = sync_worker(rank, world_size, case)
     layer = SyncBatchNorm(case.num_features, compile=True)
     x = torch.randn(case.sizes[rank], *case.feature_shape, requires_grad=True)
     out = []
@@ -53,8 +53,8 @@ def test_compiled_matches_eager_and_batch_norm_on_two_ranks(tmp_path):
     case = replace(CASES["4d-conv"], compile=True, offset=5.0)
     results = run_workers(_parity_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=COMPILE_TIMEOUT_S)
 
-    _assert_matches([r["compiled"] for r in results], _reference(case), atol=2e-5, rtol=1e-4)
-    _assert_matches([r["compiled"] for r in results], _as_expected(results), atol=1e-5, rtol=1e-5)
+    assert_matches([r["compiled"] for r in results], reference(case), atol=2e-5, rtol=1e-4)
+    assert_matches([r["compiled"] for r in results], _as_expected(results), atol=1e-5, rtol=1e-5)
     for result in results:
         assert result["compiled_calls"] == 4  # the four passes ran compiled: no silent fallback
         assert result["collectives"] == 2  # one all_gather forward, one all_reduce backward
@@ -142,7 +142,7 @@ def test_layers_carry_the_option_through_convert_and_repr():
 
 def _recompile_worker(rank: int, world_size: int) -> list[int]:
     parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
-    _no_silent_fallback()
+    no_silent_fallback()
     layers = [SyncBatchNorm(16, compile=True), SyncBatchNorm(16, compile=True), SyncBatchNorm(8, compile=True)]
 
     def graphs_after(layer: nn.Module, *batch_sizes: int) -> int:
@@ -170,7 +170,7 @@ def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(tmp_path):
 
 def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compile: bool) -> tuple:
     parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
-    _no_silent_fallback()
+    no_silent_fallback()
     generator = torch.Generator().manual_seed(3)
     x, grad = (torch.randn(10, 6, 4, 4, generator=generator).to(dtype) for _ in range(2))
     rows = slice(0, 4) if rank == 0 else slice(4, 10)
