@@ -202,13 +202,17 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def slow_call_share(samples_s: list[float]) -> float:
+    """The share of calls slower than ``SLOW_CALL_S``: how much of a bimodal time sits in the slow mode."""
+    return sum(t > SLOW_CALL_S for t in samples_s) / max(len(samples_s), 1)
+
+
 def _tables(record: dict[str, Any]) -> list[str]:
     compare, bandwidth, cfg = record["compare"], record["bandwidth"], record["config"]
     times = [[r["world_size"], r["oversubscribed"], f"{r['numel']:,}",
               *(fmt_value(r["median_s"][m], "s") for m in METHODS),
               *(fmt_value(r["ratios"][f"{m}/all_reduce"]) for m in ("ring", "butterfly")),
-              " / ".join(f"{sum(t > SLOW_CALL_S for t in r['samples_s'][m]) / len(r['samples_s'][m]):.0%}"
-                         for m in METHODS)] for r in compare]
+              " / ".join(f"{slow_call_share(r['samples_s'][m]):.0%}" for m in METHODS)] for r in compare]
     accuracy = [[r["world_size"], f"{r['numel']:,}", m, f"{r['accuracy'][m]['max_abs_err']:.1e}",
                  f"{r['accuracy'][m]['rel_err']:.1e}", r["accuracy"][m]["identical"],
                  fmt_bytes(r["memory"][m]["torch_alloc_bytes"]), fmt_bytes(r["memory"][m]["extra_peak_bytes"])]

@@ -101,7 +101,10 @@ def test_allreduce_analysis_report_and_plots(tmp_path: Path) -> None:
     assert ring["target"] == "<= 1.5" and ring["verdict"] == "missed"  # the synthetic ring is 2x slower
     assert "(time-shared cores)" in _whats(saved) and "peak bus bandwidth" in _whats(saved)
     assert "time-shared" in (tmp_path / "results.md").read_text()
+    assert "calls > 2 ms (ring / butterfly / all_reduce)" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "allreduce.png").exists()
+    # Bimodal per-call times: the share in the slow (> 2 ms) mode decides which mode a median falls in.
+    assert allreduce.slow_call_share([0.4e-3, 3.5e-3, 0.3e-3, 8e-3]) == 0.5 and allreduce.slow_call_share([]) == 0
 
 
 @pytest.mark.distributed
