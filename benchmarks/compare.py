@@ -1,9 +1,9 @@
 """Compare the hand-written ``custom_ddp`` strategy with Lightning's ``ddp``: step time, accuracy, collectives.
 
-    python -m benchmarks.compare                              # about 20 minutes on 2 CPU cores
-    python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 4 minutes
+    python -m benchmarks.compare                              # about 25 minutes on 2 CPU cores
+    python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 5 minutes
 
-(2 rounds x 3 settings x 13 variants = 78 timed fits of 5-25 s, 9 collective counts of ~10 s, 2
+(2 rounds x 3 settings x 15 variants = 90 timed fits of 5-25 s, 11 collective counts of ~10 s, 2
 accuracy fits of ~1 minute, up to 5 minutes of waiting for a quiet machine.) On the template net
 and ResNet-18 (CIFAR stem), at accumulate 1, 2 and 4, each variant of :data:`compare_runs.VARIANTS` runs
 ``--rounds`` short fits, interleaved so that drifting load hits all alike: fresh ``python train.py
@@ -42,7 +42,11 @@ TITLE = "custom_ddp vs Lightning ddp, 2 CPU processes, synthetic data"
 CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")  # loss, acc
 # (numerator, denominator): every ratio names its anchor.
 RATIOS = (("custom_ddp", "ddp_default"), ("custom_ddp", "ddp_tuned"), ("custom_ddp_localbn", "ddp_tuned"),
-          ("custom_ddp", "custom_ddp_localbn"), ("custom_ddp_bf16", "custom_ddp"))
+          ("custom_ddp", "custom_ddp_localbn"), ("custom_ddp_bf16", "custom_ddp"),
+          ("custom_ddp_compiled", "ddp_tuned"), ("custom_ddp_compiled", "custom_ddp"))
+# The SyncBN share of a step, 1 - step(local BN) / step(SyncBN): record key -> (SyncBN variant, its name in the text).
+SYNCBN_SHARES = {"syncbn_share": ("custom_ddp", "custom_ddp"),
+                 "syncbn_share_compiled": ("custom_ddp_compiled", "custom_ddp (SyncBN, compiled)")}
 BASELINES = {"single_matched": "thread-matched", "single": "all cores"}
 
 
@@ -63,8 +67,9 @@ def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
                                       if "single_matched" in samples},
                    "scaling_efficiency": {b: {v: asdict(ratio_ci(samples[b], samples[v])) for v in two}
                                           for b in BASELINES if b in samples}}
-            if {"custom_ddp", "custom_ddp_localbn"} <= set(samples):
-                row["syncbn_share"] = asdict(share_ci(samples["custom_ddp_localbn"], samples["custom_ddp"]))
+            for key, (variant, _) in SYNCBN_SHARES.items():
+                if {variant, "custom_ddp_localbn"} <= set(samples):
+                    row[key] = asdict(share_ci(samples["custom_ddp_localbn"], samples[variant]))
             analysis.setdefault(net, {})[acc] = row
     return analysis
 
@@ -82,7 +87,8 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
         for a, b in RATIOS[:1] + RATIOS[2:3] + RATIOS[4:]:  # vs ddp default, like for like, bf16 vs fp32
             add(f"{label(a)} / {label(b)}: step time", lambda r: r["ratios"].get(f"{a}/{b}"), "x")
-        add("SyncBN share of the custom_ddp step (1 - local BN / SyncBN)", lambda r: r.get("syncbn_share"), "%")
+        for key, (_, name) in SYNCBN_SHARES.items():
+            add(f"SyncBN share of the {name} step (1 - local BN / SyncBN)", lambda r: r.get(key), "%")
         add("custom_ddp (SyncBN): exposed communication vs 1 process, thread-matched",
             lambda r: r["exposed_comm_s"].get("custom_ddp"), "s")
         for base, kind in BASELINES.items():
@@ -124,7 +130,8 @@ def _tables(record: dict[str, Any]) -> list[str]:
                                                                 BASELINES.values())], cells), "",
                       *table(["ratio of median step times", "value [95 % CI]"],
                              [[k, fmt_value(e)] for k, e in row["ratios"].items()]), "",
-                      f"SyncBN share of the custom_ddp step: {fmt_value(row.get('syncbn_share'), '%')}.", ""]
+                      *(f"SyncBN share of the {name} step: {fmt_value(row[key], '%')}." for key, (_, name) in
+                        SYNCBN_SHARES.items() if key in row), ""]
     lines += [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
               "Counted by the profiler on rank 0 (`measure.collective_count`), the last of 3 steps; bytes are this "
               "rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every strategy.", ""]

@@ -47,6 +47,9 @@ VARIANTS: dict[str, Variant] = {
     "custom_ddp": Variant("custom_ddp (SyncBN)", "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
                           "sync (25 MiB buckets), broadcast_buffers=true (nothing to send: every buffer is a SyncBN "
                           "statistic)", _strategy(_CUSTOM, sync_batchnorm=True, broadcast_buffers=True)),
+    "custom_ddp_compiled": Variant("custom_ddp (SyncBN, compiled)", "syncbn_compile=true: the SyncBatchNorm passes "
+                                   "torch.compile'd (compiled during the warm-up steps; inductor's disk cache shared by "
+                                   "the runs)", _strategy(_CUSTOM, sync_batchnorm=True, syncbn_compile=True)),
     # Compared with ddp_tuned, which broadcasts no buffers: the same setting on both sides.
     "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU; "
                                   "broadcast_buffers=false like ddp tuned (forward_sync_buffers=false)",

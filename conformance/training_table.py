@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from callbacks.run_info import environment
+from measure.run_info import environment
 from conformance.table import REPO_ROOT, outcome_of, write_tables
 from conformance.training_patterns import PATTERNS, TrainingPattern
 from conformance.training_runs import compare, fit_pattern

@@ -10,7 +10,8 @@ Modules, one concern each:
 - ``sync_config``: the gradient-sync vocabulary (modes, default bucket caps), in one place.
 - ``dist_utils``: small process-group helpers shared by the modules below.
 - ``syncbn_function``, ``syncbn``: SyncBatchNorm as an autograd Function (one collective
-  forward, one backward) and its ``BatchNorm*d`` drop-in module.
+  forward, one backward) and its ``BatchNorm*d`` drop-in module; ``syncbn_kernels``: its passes
+  over x-sized memory, eager (the reference) or compiled with ``torch.compile``.
 - ``buckets``, ``grad_sync``: flat gradient buckets and ``SyncedDataParallel`` (bucketed
   all-reduce overlapped with backward, ``no_sync()`` for accumulation).
 - ``zero``: ``ShardedOptimizer`` (ZeRO-1).

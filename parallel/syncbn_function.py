@@ -33,14 +33,10 @@ parameter gradient; summing them over ranks here as well would scale them by the
 The collective runs even on a rank whose local batch is empty (it sends zeros) and on
 accumulation micro-batches: the input gradient needs the global sums either way.
 
-Cost. Large inputs are memory-bound: the forward makes 6 passes over x-sized memory (mean of x;
-``buf = x - m0``; sum and sum of squares of ``buf``; scale and shift in place), the backward 6
-(``x - mu``; sum of g; sum of g (x - mu); the folded ``dL/dx = a * g + b * (x - mu) + c`` in three
-in-place passes), each direction allocating ONE x-sized buffer (the output, ``dL/dx``), as torch's
-kernel does: fresh large buffers cost page faults on CPU. Small inputs are dispatch-bound (~1 us
-per torch op called from Python, ~2 us when a Python number must become a tensor operand): 1/n
-factors ride in ``alpha=`` / ``value=`` arguments, and 2-D inputs broadcast (C,) vectors without
-views and scale-and-shift in one ``addcmul``.
+The passes over x-sized memory (first moments, normalisation, backward sums, input gradient)
+come from a :class:`parallel.syncbn_kernels.Kernels` set: the eager reference by default, the
+same formulas compiled with ``torch.compile`` for ``SyncBatchNorm(compile=True)``. Collectives and
+the C-sized math between the passes are here, shared by both.
 
 Pure torch; no Lightning import.
 """
@@ -53,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from parallel.syncbn_kernels import EAGER_KERNELS, Kernels
 
 __all__ = ["sync_batch_norm"]
 
@@ -70,6 +68,7 @@ def sync_batch_norm(
     eps: float,
     group: dist.ProcessGroup | None,
     world_size: int,
+    kernels: Kernels | None = None,
 ) -> Tensor:
     """Batch-normalise ``x`` (N, C, *) with statistics over the batches of every rank in ``group``.
 
@@ -83,11 +82,15 @@ def sync_batch_norm(
         eps: Added to the variance before the inverse square root.
         group: Process group to synchronise over; ``None`` for purely local statistics.
         world_size: Size of ``group`` (ignored when ``group`` is ``None``).
+        kernels: The x-sized passes (:mod:`parallel.syncbn_kernels`); ``None``, or a set that does
+            not handle ``x`` (an empty local batch, a small input), for the eager reference.
 
     Returns:
         The normalised tensor, in ``x``'s dtype and memory format.
     """
-    args = (x, weight, bias, running_mean, running_var, momentum, eps, group, world_size)
+    if kernels is None or not kernels.handles(x):
+        kernels = EAGER_KERNELS
+    args = (x, weight, bias, running_mean, running_var, momentum, eps, group, world_size, kernels)
     if not torch.is_autocast_enabled(x.device.type):
         return _SyncBatchNormFunction.apply(*args)
     # Statistics and reductions run in (at least) fp32 whatever the autocast context says;
@@ -101,11 +104,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
         running_var: Tensor | None, momentum: float, eps: float, group: dist.ProcessGroup | None, world_size: int,
+        kernels: Kernels,
     ) -> Tensor:
         # The arguments of sync_batch_norm, which documents them.
         local_count = x.numel() // x.shape[1]
-        channel_shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
-        buf, moments = _batch_moments(x, local_count, channel_shape, group, world_size)
+        state, approx_mean, moments = _batch_moments(x, kernels, local_count, group, world_size)
         has_values = _check_global_count(moments.count, local_count, x.shape)
         if running_mean is not None and running_var is not None and has_values:
             _update_running_stats(running_mean, running_var, moments, momentum)
@@ -113,28 +116,24 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         scale = invstd if weight is None else invstd * weight
         # Save the input itself (alive anyway for the caller) and C-sized vectors, never x_hat.
         ctx.save_for_backward(x, moments.mean, invstd, scale)
-        ctx.group, ctx.channel_shape, ctx.inv_count = group, channel_shape, moments.inv_count
+        ctx.group, ctx.inv_count, ctx.kernels = group, moments.inv_count, kernels
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        # y = (x - mu) * scale + beta = buf * scale + (beta - (mu - m0) * scale): buf is already
+        # y = (x - mu) * scale + beta = (x - m0) * scale + (beta - (mu - m0) * scale): x - m0 is
         # centred, so |mu| >> sigma costs no precision (torch's x * scale + (beta - mu * scale)
         # rounds |mu| * scale).
         if bias is None:
             shift = torch.mul(moments.offset, scale).mul_(-moments.offset_scale)
         else:
             shift = torch.addcmul(bias, moments.offset, scale, value=-moments.offset_scale)
-        out = _scale_shift_(buf, scale, shift, channel_shape)
+        out = kernels.normalise(state, approx_mean, scale, shift)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, mean, invstd, scale = ctx.saved_tensors
-        channel_shape = ctx.channel_shape
-        # The one x-sized buffer (fp32 at least, by type promotion): x - mu, then dL/dx in place.
-        buf = x - _per_channel(mean, channel_shape)
-        sum_dy = grad_out.sum(_reduce_dims(x), dtype=mean.dtype)
-        sum_dy_xmu = _sum_of_products(buf, grad_out)
+        state, sum_dy, sum_dy_xmu = ctx.kernels.backward_sums(x, grad_out, mean)
         # Parameter gradients are the LOCAL sums, as in torch.nn.SyncBatchNorm.
         grad_weight = sum_dy_xmu * invstd if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy if ctx.needs_input_grad[2] else None
@@ -149,38 +148,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             minus_scale_over_n = scale * -ctx.inv_count
             coef_const = minus_scale_over_n * sum_dy
             coef_xmu = minus_scale_over_n.mul_(invstd).mul_(invstd).mul_(sum_dy_xmu)
-            grad_input = _scale_shift_(buf, coef_xmu, coef_const, channel_shape)
-            grad_input.addcmul_(grad_out, _per_channel(scale, channel_shape))
+            grad_input = ctx.kernels.input_grad(state, grad_out, mean, scale, coef_xmu, coef_const)
             grad_input = grad_input if grad_input.dtype == x.dtype else grad_input.to(x.dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
-
-
-def _reduce_dims(x: Tensor) -> int | list[int]:
-    """Every dimension but the channel dimension 1 (a plain int for 2-D input: a cheaper call)."""
-    return 0 if x.dim() == 2 else [0, *range(2, x.dim())]
-
-
-def _per_channel(vector: Tensor, channel_shape: tuple[int, ...]) -> Tensor:
-    """A (C,) vector shaped to broadcast over (N, C, *); a 2-D input needs no view."""
-    return vector if len(channel_shape) == 2 else vector.view(channel_shape)
-
-
-def _as(value: Tensor, like: Tensor) -> Tensor:
-    return value if value.dtype == like.dtype else value.to(like.dtype)
-
-
-def _scale_shift_(buf: Tensor, scale: Tensor, shift: Tensor, channel_shape: tuple[int, ...]) -> Tensor:
-    """``buf * scale + shift`` per channel, in place."""
-    if len(channel_shape) == 2:
-        # The vectors run along the contiguous dim: one vectorised pass.
-        return torch.addcmul(shift, buf, scale, out=buf)
-    # Two in-place passes: an addcmul with two per-channel (stride-0) operands runs
-    # unvectorised on CPU, ~5x slower than both of these together.
-    return buf.mul_(scale.view(channel_shape)).add_(shift.view(channel_shape))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class _Moments(NamedTuple):
@@ -195,32 +169,22 @@ class _Moments(NamedTuple):
 
 
 def _batch_moments(
-    x: Tensor, local_count: int, channel_shape: tuple[int, ...], group: dist.ProcessGroup | None, world_size: int,
-) -> tuple[Tensor, _Moments]:
-    """``buf = x - m0`` (fp32 at least; the forward's only x-sized allocation, which becomes its output)
-    and the batch's moments.
-
-    Corrected two-pass algorithm (Chan, Golub & LeVeque): ``m0`` is a first, rounded mean; the
-    deviations ``buf`` give both its correction, ``mean(buf)``, and ``M2 = sum(buf^2) -
-    sum(buf)^2 / n``, where nothing cancels even for 1e4 + N(0, 1) (``E[x^2] - E[x]^2`` would
-    lose every digit there).
-    """
-    dims = _reduce_dims(x)
+    x: Tensor, kernels: Kernels, local_count: int, group: dist.ProcessGroup | None, world_size: int,
+) -> tuple[Tensor, Tensor, _Moments]:
+    """The kernels' state after their first pass, the rounded local mean ``m0`` and the batch's
+    moments (merged over ``group`` with ONE all_gather when there is one)."""
+    state, approx_mean, sum_buf, m2 = kernels.moments(x, local_count)
     inv_local = 1.0 / max(local_count, 1)
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    if local_count:
-        approx_mean = x.mean(dims, dtype=acc_dtype)
-    else:  # an empty shard: mean() would be NaN, and the gather would spread it
-        approx_mean = x.new_zeros(x.shape[1], dtype=acc_dtype)
-    buf = x - _per_channel(approx_mean, channel_shape)  # type promotion: fp32 at least
-    sum_buf = buf.sum(dims)
-    m2 = torch.addcmul(_sum_of_products(buf, buf), sum_buf, sum_buf, value=-inv_local).clamp_min_(0)
     if group is None:
         mean = torch.add(approx_mean, sum_buf, alpha=inv_local)
-        return buf, _Moments(local_count, inv_local, mean, m2.mul_(inv_local), sum_buf, inv_local)
+        return state, approx_mean, _Moments(local_count, inv_local, mean, m2.mul_(inv_local), sum_buf, inv_local)
     count, mean, offset, m2 = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size)
     inv_count = count.clamp(min=1).reciprocal_()
-    return buf, _Moments(count, inv_count, mean, m2.mul_(inv_count), offset, 1.0)
+    return state, approx_mean, _Moments(count, inv_count, mean, m2.mul_(inv_count), offset, 1.0)
+
+
+def _as(value: Tensor, like: Tensor) -> Tensor:
+    return value if value.dtype == like.dtype else value.to(like.dtype)
 
 
 def _update_running_stats(running_mean: Tensor, running_var: Tensor, moments: _Moments, momentum: float) -> None:
@@ -252,25 +216,6 @@ def _gather_moments(
     # when both are close, so the output does not round the global mean (~|mu| ulp) twice.
     offset = (reference - approx_mean).add_(mean_shift)
     return count, reference + mean_shift, offset, m2
-
-
-def _sum_of_products(a: Tensor, b: Tensor) -> Tensor:
-    """Per-channel ``sum(a * b)`` over all other dims, without an ``a``-sized temporary.
-
-    Row blocks of ~1 MiB (CPU: stays in L2) or ~16 MiB (GPU: few launches) are multiplied
-    and reduced one at a time; a full-size product would cost as much as the reduction in
-    fresh-memory page faults and would add a tensor to the peak memory.
-    """
-    dims = _reduce_dims(a)
-    block_bytes = (1 << 20) if a.device.type == "cpu" else (16 << 20)
-    total_bytes = a.numel() * a.element_size()
-    if total_bytes <= block_bytes:  # the common small case first: two ops, nothing else
-        return torch.sum(a * b, dims)
-    rows = max(block_bytes * a.shape[0] // total_bytes, 1)
-    total = torch.sum(a[:rows] * b[:rows], dims)
-    for start in range(rows, a.shape[0], rows):
-        total.add_(torch.sum(a[start : start + rows] * b[start : start + rows], dims))
-    return total
 
 
 def _check_global_count(count: int | Tensor, local_count: int, shape: torch.Size) -> bool:

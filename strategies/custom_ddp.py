@@ -94,6 +94,8 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         syncbn_group_size: Synchronise BatchNorm statistics within groups of this many
             consecutive ranks (ranks 0..k-1, k..2k-1, ...; apex's ``create_syncbn_process_group``)
             instead of over all ranks; must divide the world size (checked at setup).
+        syncbn_compile: Run the SyncBatchNorm passes compiled with ``torch.compile``
+            (``SyncBatchNorm(compile=True)``; the first step compiles, see README).
         sync_mode: Gradient all-reduce schedule: ``"bucketed"`` (overlapped with backward),
             ``"flat"``, ``"per_param"`` or ``"per_param_overlap"``.
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
@@ -133,6 +135,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         precision_plugin: Optional[Precision] = None,
         sync_batchnorm: bool = True,
         syncbn_group_size: Optional[int] = None,
+        syncbn_compile: bool = False,
         sync_mode: SyncMode = "bucketed",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
@@ -147,7 +150,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     ) -> None:
         check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
                       grad_compression=grad_compression, syncbn_group_size=syncbn_group_size,
-                      broadcast_buffers=broadcast_buffers)
+                      broadcast_buffers=broadcast_buffers, syncbn_compile=syncbn_compile)
         check_desync_option(desync_check)
         super().__init__(
             accelerator=accelerator,
@@ -165,6 +168,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         self._first_bucket_cap_mb = float(first_bucket_cap_mb)
         self._grad_compression = grad_compression
         self._syncbn_group_size = syncbn_group_size
+        self._syncbn_compile = syncbn_compile
         self._syncbn_group: Optional[tuple[Any, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
@@ -219,6 +223,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         return {
             "sync_batchnorm": self._sync_batchnorm,
             "syncbn_group_size": self._syncbn_group_size,
+            "syncbn_compile": self._syncbn_compile,
             "sync_mode": self._sync_mode,
             "bucket_cap_mb": self._bucket_cap_mb,
             "first_bucket_cap_mb": self._first_bucket_cap_mb,
@@ -248,19 +253,22 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
         if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
-            if self._syncbn_group_size is not None:
-                raise ValueError(f"CustomDDPStrategy: syncbn_group_size={self._syncbn_group_size} and the plugin "
-                                 f"{type(self._layer_sync).__name__} both choose the BatchNorm sync; pass only one")
+            if self._syncbn_group_size is not None or self._syncbn_compile:
+                chosen = "syncbn_compile=True" if self._syncbn_group_size is None else \
+                    f"syncbn_group_size={self._syncbn_group_size}"
+                raise ValueError(f"CustomDDPStrategy: {chosen} and the plugin {type(self._layer_sync).__name__} both "
+                                 "choose the BatchNorm sync; pass only one")
             return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
         if isinstance(self._layer_sync, TorchSyncBatchNorm):
             rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
         if self._syncbn_group_size is None:
-            return CustomSyncBatchNorm()
+            return CustomSyncBatchNorm(compile=self._syncbn_compile)
         # dist.new_group is collective and its groups live as long as the world group: made once per
         # world, on every rank (a second fit in the same processes reuses them).
         if self._syncbn_group is None or self._syncbn_group[0] is not dist.group.WORLD:
             check_syncbn_group_size(self._syncbn_group_size, dist.get_world_size())
-            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._syncbn_group_size, self._timeout)
+            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._syncbn_group_size, self._timeout,
+                                                               self._syncbn_compile)
             self._syncbn_group = (dist.group.WORLD, plugin)
         return self._syncbn_group[1]
 

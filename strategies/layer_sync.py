@@ -6,6 +6,7 @@ own ``TorchSyncBatchNorm`` (``torch.nn.SyncBatchNorm``) cannot run.
 
 Example:
     >>> trainer = Trainer(strategy="custom_ddp", plugins=[CustomSyncBatchNorm()])  # doctest: +SKIP
+    >>> plugin = CustomSyncBatchNorm(compile=True)  # the layers' passes run torch.compile'd  # doctest: +SKIP
     >>> plugin = CustomSyncBatchNorm.in_consecutive_groups(2)  # on every rank, dist initialised  # doctest: +SKIP
 """
 
@@ -29,29 +30,38 @@ class CustomSyncBatchNorm(LayerSync):
 
     Args:
         process_group: Group the layers synchronise over; ``None`` for the whole world.
+        compile: Convert to ``SyncBatchNorm(compile=True)`` layers (``torch.compile``'d passes).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, compile: bool = False) -> None:
         self._process_group = process_group
+        self._compile = compile
 
     @classmethod
-    def in_consecutive_groups(cls, group_size: int, timeout: timedelta | None = None) -> CustomSyncBatchNorm:
+    def in_consecutive_groups(
+        cls, group_size: int, timeout: timedelta | None = None, compile: bool = False
+    ) -> CustomSyncBatchNorm:
         """Synchronise within blocks of ``group_size`` consecutive ranks (0..k-1, k..2k-1, ...).
 
         Every rank must call this at the same point: it creates every block's process group
         (:func:`parallel.dist_utils.consecutive_rank_group`); ``timeout`` bounds their collectives.
         """
-        return cls(consecutive_rank_group(group_size, timeout))
+        return cls(consecutive_rank_group(group_size, timeout), compile)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group the converted layers synchronise over (``None``: the whole world)."""
         return self._process_group
 
+    @property
+    def compile(self) -> bool:
+        """Whether the converted layers run their passes compiled."""
+        return self._compile
+
     @override
     def apply(self, model: Module) -> Module:
         """Replace every BatchNorm layer (any ``_BatchNorm``, user subclasses included) in ``model`` by :class:`SyncBatchNorm`."""
-        return SyncBatchNorm.convert(model, self._process_group)
+        return SyncBatchNorm.convert(model, self._process_group, compile=self._compile)
 
     @override
     def revert(self, model: Module) -> Module:

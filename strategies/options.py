@@ -16,14 +16,18 @@ def check_options(
     sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any, *,
     first_bucket_cap_mb: Any = DEFAULT_FIRST_BUCKET_CAP_MB, grad_compression: Any = None, syncbn_group_size: Any = None,
     broadcast_buffers: Any = True,
+    syncbn_compile: Any = False,
 ) -> None:
     """Raise one error that lists every bad option with its fix."""
     problems = [
         f"{name}={value!r} must be a bool"
         for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval),
-                            ("broadcast_buffers", broadcast_buffers))
+                            ("broadcast_buffers", broadcast_buffers), ("syncbn_compile", syncbn_compile))
         if not isinstance(value, bool)
     ]
+    if syncbn_compile is True and sync_batchnorm is False:
+        problems.append("syncbn_compile=True needs sync_batchnorm=True (it compiles the SyncBatchNorm kernel); drop it "
+                        "or set sync_batchnorm=True")
     if sync_mode not in SYNC_MODES:
         problems.append(f"sync_mode={sync_mode!r} must be one of {SYNC_MODES}")
     for name, cap, default in (("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),

@@ -41,7 +41,7 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     record = syncbn.main(["--quick", "--shapes", "8x16", "--rounds", "2", "--iters", "2", "--out", str(tmp_path)])
     saved = _check_saved(tmp_path, [e for row in record["rows"] for e in row["ratios"].values()])
     row = saved["rows"][0]
-    assert set(row["ratios"]) == {"custom/floor", "custom/local"}
+    assert set(row["ratios"]) == {"custom/floor", "custom/local", "compiled/floor", "compiled/local", "compiled/custom"}
     assert len(row["samples_s"]["custom"]) == 4  # 2 rounds x 2 iterations, max over the ranks
     assert row["peak_bytes"]["custom"] >= 0 and saved["config"]["threads"] == 1
     assert "SyncBN / floor (local BN + 2 all-reduces), 2 ranks: worst (N, C) shape (8x16)" in _whats(saved)
@@ -49,7 +49,8 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     assert (tmp_path / "syncbn.png").exists()
     # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
     (one_rank,) = saved["one_rank_rows"]
-    assert set(one_rank["ratios"]) == {"custom/local", "custom/python_floor", "python_floor/local"}
+    assert set(one_rank["ratios"]) == {"custom/local", "custom/python_floor", "python_floor/local", "compiled/local",
+                                       "compiled/python_floor", "compiled/custom"}
     assert len(one_rank["samples_s"]["custom"]) == 4
     # The Python autograd.Function floor: what any hand-written kernel pays before its arithmetic.
     floor = next(r for r in saved["headline"] if r["what"].startswith("Python autograd.Function floor"))
@@ -57,6 +58,10 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     worst = next(r for r in saved["headline"] if r["what"].startswith("SyncBN kernel / torch BatchNorm, 1 rank: worst"))
     assert worst["target"] == "<= 1.5" and worst["verdict"] in ("met", "missed", "undecided")
     assert "custom vs torch's BatchNorm" in (tmp_path / "results.md").read_text()
+    # The compiled kernel: judged against its own targets; an (N, C) input stays eager, so nothing compiles.
+    compiled = next(r for r in saved["headline"] if r["what"].startswith("SyncBN kernel compiled / torch BatchNorm"))
+    assert compiled["target"] == "<= 1.5"
+    assert row["compile_s"] < 5 and "first call (empty inductor cache, 2-rank run)" in _whats(saved)
 
 
 def test_syncbn_takes_the_slowest_rank_per_iteration() -> None:
@@ -96,7 +101,10 @@ def test_allreduce_analysis_report_and_plots(tmp_path: Path) -> None:
     assert ring["target"] == "<= 1.5" and ring["verdict"] == "missed"  # the synthetic ring is 2x slower
     assert "(time-shared cores)" in _whats(saved) and "peak bus bandwidth" in _whats(saved)
     assert "time-shared" in (tmp_path / "results.md").read_text()
+    assert "calls > 2 ms (ring / butterfly / all_reduce)" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "allreduce.png").exists()
+    # Bimodal per-call times: the share in the slow (> 2 ms) mode decides which mode a median falls in.
+    assert allreduce.slow_call_share([0.4e-3, 3.5e-3, 0.3e-3, 8e-3]) == 0.5 and allreduce.slow_call_share([]) == 0
 
 
 @pytest.mark.distributed

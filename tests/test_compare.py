@@ -27,7 +27,7 @@ def _timing(scale: dict[str, float]) -> dict:
 
 def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     scale = {"custom_ddp": 1.5, "custom_ddp_localbn": 1.2, "ddp_default": 1.25, "ddp_tuned": 1.2,
-             "custom_ddp_bf16": 1.35, "single_matched": 1.0, "single": 0.6}
+             "custom_ddp_bf16": 1.35, "custom_ddp_compiled": 1.32, "single_matched": 1.0, "single": 0.6}
     row = analyse(_timing(scale), _VARIANTS)["resnet18"]["2"]
     assert row["ratios"]["custom_ddp/ddp_tuned"]["value"] == pytest.approx(1.25)
     assert row["ratios"]["custom_ddp/ddp_default"]["value"] == pytest.approx(1.2)
@@ -36,6 +36,9 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     for estimate in row["ratios"].values():
         assert estimate["low"] <= estimate["value"] <= estimate["high"] and estimate["n"] == 8
     assert row["syncbn_share"]["value"] == pytest.approx(1 - 1.2 / 1.5)
+    assert row["ratios"]["custom_ddp_compiled/ddp_tuned"]["value"] == pytest.approx(1.1)
+    assert row["ratios"]["custom_ddp_compiled/custom_ddp"]["value"] == pytest.approx(0.88)
+    assert row["syncbn_share_compiled"]["value"] == pytest.approx(1 - 1.2 / 1.32)
     matched = row["step_s"]["single_matched"]["value"]
     # Exposed communication only against the thread-matched process; efficiency against both.
     assert row["exposed_comm_s"]["custom_ddp"]["value"] == pytest.approx(0.5 * matched)
@@ -59,11 +62,15 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     assert sum("scaling efficiency" in what for what in rows) == 2
     assert "(0.5x)" in next(r["value"] for what, r in rows.items() if "fp32 -> bf16" in what)
     assert rows["final test top-1 (%), custom_ddp (SyncBN), template net"]["value"] == 80.0
+    compiled = rows["custom_ddp (SyncBN, compiled) / ddp tuned (local BN): step time, resnet18 net, accumulate 2"]
+    assert compiled["value"][0]["value"] == pytest.approx(1.1)
+    assert "SyncBN share of the custom_ddp (SyncBN, compiled) step (1 - local BN / SyncBN), resnet18 net, " \
+           "accumulate 2" in rows
 
 
 def test_variants_and_threads():
-    assert variants_for("template") == ["custom_ddp", "custom_ddp_localbn", "ddp_default", "ddp_tuned",
-                                        "single_matched", "single"]
+    assert variants_for("template") == ["custom_ddp", "custom_ddp_compiled", "custom_ddp_localbn", "ddp_default",
+                                        "ddp_tuned", "single_matched", "single"]
     assert "custom_ddp_bf16" in variants_for("resnet18")
     assert VARIANTS["single_matched"].threads == MATCHED_THREADS and VARIANTS["single"].threads is None
 
@@ -96,6 +103,7 @@ def test_compare_end_to_end_quick(tmp_path):
         assert set(runs) == set(variants_for(net))
         assert runs["single_matched"][0]["threads"] == MATCHED_THREADS
         assert runs["custom_ddp"][0]["recorded"]["strategy"]["sync_batchnorm"] is True
+        assert runs["custom_ddp_compiled"][0]["recorded"]["strategy"]["syncbn_compile"] is True
     bf16 = record["collectives"]["nets"]["resnet18"]
     assert bf16["custom_ddp_bf16"]["bytes"]["grad_buckets"] * 2 == bf16["custom_ddp"]["bytes"]["grad_buckets"]
     assert record["timing"]["resnet18"]["2"]["custom_ddp_bf16"][0]["recorded"]["strategy"]["grad_compression"] == "bf16"

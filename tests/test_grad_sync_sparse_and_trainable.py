@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 
 pytestmark = pytest.mark.distributed

@@ -1,4 +1,5 @@
-"""custom_ddp's communication options: ``grad_compression``, ``first_bucket_cap_mb``, ``syncbn_group_size``.
+"""custom_ddp's communication options: ``grad_compression``, ``first_bucket_cap_mb``, ``syncbn_group_size``,
+``syncbn_compile``.
 
 From the command line to the strategy and its ``options`` record, checked with errors that name
 the fix; compressed gradients on 2 gloo ranks against the fp32 path (equal up to the wire dtype's
@@ -30,12 +31,13 @@ _UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 def test_options_from_the_command_line_reach_the_strategy_and_its_record() -> None:
     cli = train.main(["--config", "configs/quickstart.yaml", "--trainer.strategy=custom_ddp_fork",
                       "--trainer.strategy.grad_compression=bf16", "--trainer.strategy.first_bucket_cap_mb=0.5",
-                      "--trainer.strategy.syncbn_group_size=2"], run=False)
+                      "--trainer.strategy.syncbn_group_size=2", "--trainer.strategy.syncbn_compile=true"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy)
     assert (strategy.grad_compression, strategy.first_bucket_cap_mb, strategy.syncbn_group_size) == ("bf16", 0.5, 2)
-    assert {key: strategy.options[key] for key in ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size")} \
-        == {"grad_compression": "bf16", "first_bucket_cap_mb": 0.5, "syncbn_group_size": 2}
+    keys = ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size", "syncbn_compile")
+    assert {key: strategy.options[key] for key in keys} \
+        == {"grad_compression": "bf16", "first_bucket_cap_mb": 0.5, "syncbn_group_size": 2, "syncbn_compile": True}
 
 
 def test_options_are_recorded_as_hyperparameters_and_in_benchmark_records() -> None:
@@ -51,6 +53,7 @@ def test_defaults_are_torch_ddps() -> None:
     options = CustomDDPStrategy().options
     assert (options["grad_compression"], options["first_bucket_cap_mb"], options["syncbn_group_size"]) == (None, 1.0, None)
     assert options["broadcast_buffers"] is True  # DDP's broadcast_buffers default
+    assert options["syncbn_compile"] is False  # the eager kernel unless asked: a first compile takes ~20 s
 
 
 @pytest.mark.parametrize(
@@ -63,6 +66,8 @@ def test_defaults_are_torch_ddps() -> None:
         ({"syncbn_group_size": True}, "syncbn_group_size=True must be None"),
         ({"syncbn_group_size": 2, "sync_batchnorm": False}, "syncbn_group_size=2 needs sync_batchnorm=True"),
         ({"broadcast_buffers": "yes"}, "broadcast_buffers='yes' must be a bool"),
+        ({"syncbn_compile": "yes"}, "syncbn_compile='yes' must be a bool"),
+        ({"syncbn_compile": True, "sync_batchnorm": False}, "syncbn_compile=True needs sync_batchnorm=True"),
     ],
 )
 def test_bad_options_name_the_value_and_the_fix(kwargs: dict, message: str) -> None:
@@ -192,4 +197,15 @@ def test_group_size_and_a_syncbn_plugin_together_are_refused() -> None:
     strategy = CustomDDPStrategy(syncbn_group_size=2)
     strategy._layer_sync = CustomSyncBatchNorm()
     with pytest.raises(ValueError, match="syncbn_group_size=2 and the plugin CustomSyncBatchNorm both"):
+        strategy._resolve_layer_sync()
+
+
+def test_syncbn_compile_converts_to_compiled_layers_and_refuses_a_plugin_beside_it() -> None:
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    plugin = CustomDDPStrategy(syncbn_compile=True)._resolve_layer_sync()
+    assert plugin.compile and plugin.apply(net)[1].compile_kernel
+    assert not CustomDDPStrategy()._resolve_layer_sync().compile
+    strategy = CustomDDPStrategy(syncbn_compile=True)
+    strategy._layer_sync = CustomSyncBatchNorm()
+    with pytest.raises(ValueError, match="syncbn_compile=True and the plugin CustomSyncBatchNorm both"):
         strategy._resolve_layer_sync()

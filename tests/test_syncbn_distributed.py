@@ -8,141 +8,41 @@ collectives per forward and per backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+import parallel.syncbn
 from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
+from syncbn_cases import (
+    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, Case, assert_matches, init_affine, make_layer, no_silent_fallback,
+    reference, sync_worker, timeout_s, with_compiled)
 
 pytestmark = pytest.mark.distributed
 
-_TORCH_BATCH_NORM = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}
 
-
-@dataclass(frozen=True)
-class Case:
-    sizes: tuple[int, ...]  # local batch size of each rank
-    feature_shape: tuple[int, ...] = (6,)  # (C,), (C, L), (C, H, W) or (C, D, H, W)
-    offset: float = 0.0
-    momentum: float | None = 0.1
-    channels_last: bool = False
-    steps: int = 2
-
-    @property
-    def num_features(self) -> int:
-        return self.feature_shape[0]
-
-    def batch(self, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-        """Global input, upstream gradient and eval input of training step ``step``."""
-        generator = torch.Generator().manual_seed(100 + step)
-        shape = (sum(self.sizes), *self.feature_shape)
-        x = self.offset + 2.0 * torch.randn(shape, generator=generator, dtype=torch.float64)
-        grad = torch.randn(shape, generator=generator, dtype=torch.float64)
-        eval_x = self.offset + torch.randn((5, *self.feature_shape), generator=generator).double()
-        return x.to(dtype), grad.to(dtype), eval_x.to(dtype)
-
-    def shard(self, rank: int) -> slice:
-        first = sum(self.sizes[:rank])
-        return slice(first, first + self.sizes[rank])
-
-
-def _init_affine(layer: nn.Module, num_features: int) -> None:
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        layer.weight.copy_(0.5 + torch.rand(num_features, generator=generator))
-        layer.bias.copy_(torch.randn(num_features, generator=generator))
-
-
-def _train_and_eval(layer: nn.Module, case: Case, rows: slice, dtype: torch.dtype) -> dict:
-    """Run ``case`` through ``layer`` on the given rows of every global batch."""
-    _init_affine(layer, case.num_features)
-    outputs, input_grads = [], []
-    for step in range(case.steps):
-        x, grad, _ = case.batch(step, dtype)
-        x = x[rows].clone()
-        if case.channels_last:
-            x = x.to(memory_format=torch.channels_last)
-        x.requires_grad_()
-        out = layer(x)
-        out.backward(grad[rows])
-        outputs.append(out.detach())
-        input_grads.append(x.grad)
-    layer.eval()
-    eval_out = layer(case.batch(case.steps - 1, dtype)[2])
-    return {
-        "outputs": outputs,
-        "input_grads": input_grads,
-        "weight_grad": layer.weight.grad,
-        "bias_grad": layer.bias.grad,
-        "running_mean": layer.running_mean,
-        "running_var": layer.running_var,
-        "num_batches_tracked": layer.num_batches_tracked,
-        "eval_output": eval_out.detach(),
-    }
-
-
-def _sync_worker(rank: int, world_size: int, case: Case) -> dict:
-    layer = SyncBatchNorm(case.num_features, momentum=case.momentum)
-    return _train_and_eval(layer, case, case.shard(rank), torch.float32)
-
-
-def _reference(case: Case, dtype: torch.dtype = torch.float32) -> dict:
-    batch_norm = _TORCH_BATCH_NORM[len(case.feature_shape)]
-    layer = batch_norm(case.num_features, momentum=case.momentum).to(dtype)
-    return _train_and_eval(layer, case, slice(None), dtype)
-
-
-def _assert_matches(results: list[dict], expected: dict, **tolerance) -> None:
-    for step, want in enumerate(expected["outputs"]):
-        got = torch.cat([r["outputs"][step] for r in results])
-        torch.testing.assert_close(got, want.float(), **tolerance)
-        got = torch.cat([r["input_grads"][step] for r in results])
-        torch.testing.assert_close(got, expected["input_grads"][step].float(), **tolerance)
-    # Parameter gradients stay local sums (the data-parallel sync averages them later).
-    for name in ("weight_grad", "bias_grad"):
-        torch.testing.assert_close(sum(r[name] for r in results), expected[name].float(), **tolerance)
-    for result in results:  # every rank holds the same, global running statistics
-        for name in ("running_mean", "running_var", "eval_output"):
-            torch.testing.assert_close(result[name], expected[name].float(), **tolerance)
-        assert result["num_batches_tracked"] == expected["num_batches_tracked"]
-
-
-CASES = {
-    "2d-even": Case(sizes=(4, 4)),
-    "2d-uneven": Case(sizes=(3, 7)),
-    "3d-3ranks": Case(sizes=(2, 3, 4), feature_shape=(5, 3)),
-    "4d-conv": Case(sizes=(3, 5), feature_shape=(8, 4, 5)),
-    "4d-channels-last": Case(sizes=(4, 2), feature_shape=(8, 3, 3), channels_last=True),
-    "5d": Case(sizes=(2, 2), feature_shape=(3, 2, 3, 2)),
-    "empty-rank": Case(sizes=(0, 6), feature_shape=(4, 3, 3)),
-    "empty-middle-3ranks": Case(sizes=(3, 0, 5)),
-    "cumulative-momentum": Case(sizes=(3, 4), momentum=None, steps=3),
-}
-
-
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("case", with_compiled(CASES))
 def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
-    results = run_workers(_sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store")
+    results = run_workers(sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store",
+                          timeout_s=timeout_s(case))
 
-    _assert_matches(results, _reference(case), atol=2e-5, rtol=1e-4)
+    assert_matches(results, reference(case), atol=2e-5, rtol=1e-4)
     for rank, result in enumerate(results):
         assert result["outputs"][0].shape[0] == case.sizes[rank]
         if case.channels_last:
             assert result["outputs"][0].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_large_offset_is_as_accurate_as_torch(tmp_path):
+@pytest.mark.parametrize("case", with_compiled({"offset-1e4": Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)}))
+def test_large_offset_is_as_accurate_as_torch(tmp_path, case):
     """1e4 + N(0, 1) in fp32: the error vs an fp64 reference stays within torch's own."""
-    case = Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)
-    results = run_workers(_sync_worker, 2, args=(case,), init_file=tmp_path / "store")
+    results = run_workers(sync_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case))
 
-    exact = _reference(case, torch.float64)
-    torch_fp32 = _reference(case, torch.float32)
+    exact = reference(case, torch.float64)
+    torch_fp32 = reference(case, torch.float32)
     for name in ("outputs", "input_grads"):
         for step, want in enumerate(exact[name]):
             ours = torch.cat([r[name][step] for r in results])
@@ -159,8 +59,8 @@ def test_large_offset_is_as_accurate_as_torch(tmp_path):
 
 
 def _bf16_worker(rank: int, world_size: int, case: Case) -> dict:
-    layer = SyncBatchNorm(case.num_features)
-    _init_affine(layer, case.num_features)
+    layer = make_layer(case)
+    init_affine(layer, case.num_features)
     x, grad, _ = case.batch(0, torch.bfloat16)
     x = x[case.shard(rank)].clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -169,14 +69,14 @@ def _bf16_worker(rank: int, world_size: int, case: Case) -> dict:
     return out.detach(), x.grad, layer.weight.grad, layer.running_mean, layer.running_var
 
 
-def test_bf16_autocast_keeps_fp32_statistics(tmp_path):
-    case = Case(sizes=(6, 10), feature_shape=(8, 4, 4), offset=3.0)
-    results = run_workers(_bf16_worker, 2, args=(case,), init_file=tmp_path / "store")
+@pytest.mark.parametrize("case", with_compiled({"bf16": Case(sizes=(6, 10), feature_shape=(8, 4, 4), offset=3.0)}))
+def test_bf16_autocast_keeps_fp32_statistics(tmp_path, case):
+    results = run_workers(_bf16_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case))
 
     # Reference in fp64 on exactly the bf16 values the ranks saw.
     x, grad, _ = (t.double() for t in case.batch(0, torch.bfloat16))
     layer = nn.BatchNorm2d(case.num_features).double()
-    _init_affine(layer, case.num_features)
+    init_affine(layer, case.num_features)
     x.requires_grad_()
     expected = layer(x)
     expected.backward(grad)
@@ -271,8 +171,11 @@ def _train_net(net: nn.Module, rows: slice, grad_scale: float, model=None, finis
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def _net_worker(rank: int, world_size: int, norm_kwargs: dict) -> dict:
-    net = SyncBatchNorm.convert(_conv_net(norm_kwargs))
+def _net_worker(rank: int, world_size: int, norm_kwargs: dict, compile: bool) -> dict:
+    if compile:
+        parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+        no_silent_fallback()
+    net = SyncBatchNorm.convert(_conv_net(norm_kwargs), compile=compile)
     assert all(type(m) is not nn.BatchNorm2d for m in net.modules())
     synced = SyncedDataParallel(net)  # averages: scale the local sum so the average is the mean
     first = sum(_NET_SIZES[:rank])
@@ -280,9 +183,11 @@ def _net_worker(rank: int, world_size: int, norm_kwargs: dict) -> dict:
     return _train_net(net, rows, world_size / sum(_NET_SIZES), synced, synced.finish)
 
 
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("norm_kwargs", [{"bias": False}, {"affine": False}], ids=["no-bias", "no-affine"])
-def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs):
-    results = run_workers(_net_worker, 2, args=(norm_kwargs,), init_file=tmp_path / "store")
+def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs, compile):
+    results = run_workers(_net_worker, 2, args=(norm_kwargs, compile), init_file=tmp_path / "store",
+                          timeout_s=COMPILE_TIMEOUT_S if compile else 60.0)
 
     expected = _train_net(_conv_net(norm_kwargs), slice(None), 1 / sum(_NET_SIZES))
     for result in results:

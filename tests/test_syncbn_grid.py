@@ -8,11 +8,15 @@ statistics. Outputs and input gradients must match ``torch.nn.BatchNorm1d`` run 
 concatenated batch within ``atol=1e-3, rtol=0``.
 """
 
+import warnings
+
 import pytest
 import torch
 
 from benchmarks.launcher import run_workers
+import parallel.syncbn
 from parallel.syncbn import SyncBatchNorm
+from parallel.syncbn_kernels import compiled_kernels
 
 pytestmark = pytest.mark.distributed
 
@@ -24,11 +28,14 @@ def _global_batch(num_workers: int, hid_dim: int, batch_size: int) -> torch.Tens
     return torch.randn(num_workers * batch_size, hid_dim, generator=generator)
 
 
-def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int):
+def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int, compile: bool):
+    if compile:  # (N, C) inputs: the compiled passes only run with a set that compiles every shape
+        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+        warnings.filterwarnings("error", message=r"SyncBatchNorm\(compile=True\): torch.compile failed")
     global_batch = _global_batch(world_size, hid_dim, batch_size)
     first = rank * batch_size
     local = global_batch[first : first + batch_size].clone().requires_grad_()
-    out = SyncBatchNorm(hid_dim)(local)
+    out = SyncBatchNorm(hid_dim, compile=compile)(local)
     # This rank's rows among the first B/2 global rows (none on ranks 2 and 3 of 4); every
     # rank still runs backward, which joins the backward collective.
     rows_in_loss = min(max(world_size * batch_size // 2 - first, 0), batch_size)
@@ -36,12 +43,17 @@ def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int):
     return out.detach(), local.grad
 
 
-@pytest.mark.parametrize("batch_size", [32, 64])
-@pytest.mark.parametrize("hid_dim", [128, 256, 512, 1024])
-@pytest.mark.parametrize("num_workers", [1, 4])
-def test_shards_match_batchnorm1d_on_the_global_batch(tmp_path, num_workers, hid_dim, batch_size):
+_COMPILED_SUBSET = [pytest.param(4, hid_dim, 32, True, id=f"4-{hid_dim}-32-compiled", marks=pytest.mark.slow)
+                    for hid_dim in (128, 1024)]
+
+
+@pytest.mark.parametrize(("num_workers", "hid_dim", "batch_size", "compile"), [
+    *(pytest.param(w, h, b, False, id=f"{w}-{h}-{b}") for w in (1, 4) for h in (128, 256, 512, 1024) for b in (32, 64)),
+    *_COMPILED_SUBSET])
+def test_shards_match_batchnorm1d_on_the_global_batch(tmp_path, num_workers, hid_dim, batch_size, compile):
     results = run_workers(
-        _grid_worker, num_workers, args=(hid_dim, batch_size), init_file=tmp_path / "store"
+        _grid_worker, num_workers, args=(hid_dim, batch_size, compile), init_file=tmp_path / "store",
+        timeout_s=600.0 if compile else 60.0,  # compiling takes ~20 s cold, several times that under load
     )
 
     global_batch = _global_batch(num_workers, hid_dim, batch_size).requires_grad_()
