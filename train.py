@@ -92,6 +92,7 @@ from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
 from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir
 from strategies import CustomDDPStrategy
+from strategies.options import check_init_args
 
 quiet_lightning_tips()  # Lightning's "💡 Tip" adverts for litlogger / litmodels, on every run
 quiet_leafspec_deprecation()  # Lightning 2.6's use of torch 2.14's deprecated LeafSpec, once per process
@@ -224,7 +225,7 @@ class LitCifarCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         follow_default_root_dir(config.trainer)
         # Before jsonargparse builds the strategy: it would bury this error in a report of its Union type.
-        check_strategy_config(config.trainer.strategy)
+        check_strategy_config(config.trainer.strategy, CustomDDPStrategy, check_init_args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)

@@ -12,7 +12,8 @@ that matters:
   (from ``__init__`` or ``setup``); its message is already the whole report.
 - ``CustomDDPStrategy``'s checks run in its ``__init__``, which jsonargparse calls inside that
   ``Union``: it catches the error and buries the sentence in a 58-line report of both alternatives.
-  :func:`check_strategy_config` runs the same checks on the parsed config first.
+  :func:`check_strategy_config` runs the same checks (``train.py`` passes them in, so this module
+  needs no strategy) on the parsed config first.
 
 :func:`short_option_errors` prints ``error: <reason>`` and one hint line, and exits 2 (argparse's
 code for a usage error). ``JSONARGPARSE_DEBUG=true`` (jsonargparse's own switch) lets the error
@@ -27,15 +28,13 @@ import os
 import re
 import sys
 from argparse import ArgumentError
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from jsonargparse import Namespace
 
 from lit_cifar.errors import OptionError
-from strategies import CustomDDPStrategy
-from strategies.options import as_timedelta, check_options
 
 __all__ = ["check_strategy_config", "condense", "short_option_errors"]
 
@@ -82,16 +81,18 @@ def _import(class_path: str) -> Any:
         return None  # jsonargparse resolved it already; a path it cannot resolve is its error to report
 
 
-def check_strategy_config(strategy: Any) -> None:
-    """Run ``CustomDDPStrategy``'s option checks on a parsed ``trainer.strategy``; raise :class:`OptionError`.
+def check_strategy_config(strategy: Any, strategy_class: type, check: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``check`` on the constructor arguments of a parsed ``trainer.strategy`` of ``strategy_class``.
 
     ``strategy`` is what the parser holds: a registered name (nothing to check: no options), or a
-    ``Namespace`` with ``class_path`` and ``init_args``. Other strategies are left to their constructors.
+    ``Namespace`` with ``class_path`` and ``init_args``; ``check`` gets every argument, defaults
+    included, and raises ``ValueError``/``TypeError``, re-raised as :class:`OptionError`. Other
+    strategies are left to their constructors.
     """
     if not isinstance(strategy, Namespace) or not isinstance(strategy.get("class_path"), str):
         return
     cls = _import(strategy.class_path)
-    if not (isinstance(cls, type) and issubclass(cls, CustomDDPStrategy)):
+    if not (isinstance(cls, type) and issubclass(cls, strategy_class)):
         return
     init_args = strategy.get("init_args")
     try:
@@ -99,13 +100,8 @@ def check_strategy_config(strategy: Any) -> None:
     except TypeError:
         return  # arguments the constructor does not take: jsonargparse reports those
     arguments.apply_defaults()
-    # The constructor's own checks. check_options names its parameters after the constructor's.
-    checked = inspect.signature(check_options).parameters
-    if not all(name in arguments.arguments for name in [*checked, "timeout"]):
-        return  # a subclass without these parameters: its own constructor decides
     try:
-        check_options(**{name: arguments.arguments[name] for name in checked})
-        as_timedelta(arguments.arguments["timeout"])
+        check(dict(arguments.arguments))
     except (ValueError, TypeError) as error:
         raise OptionError(str(error)) from error
 

@@ -73,8 +73,9 @@ def strategy_options(strategy: Any) -> dict[str, Any]:
         "start_method": getattr(strategy, "_start_method", None),
         "layer_sync": type(layer_sync).__name__ if layer_sync is not None else None,
     }
-    # A strategy that reports its own settings (custom_ddp's ``options``) is recorded as it says.
-    options.update(getattr(strategy, "options", None) or {})
+    # A strategy that reports its own settings (custom_ddp's ``options.as_dict()``) is recorded as it says.
+    own = getattr(strategy, "options", None)
+    options.update(own.as_dict() if hasattr(own, "as_dict") else own or {})
     options.update(getattr(strategy, "_ddp_kwargs", None) or {})
     return to_jsonable(options)
 

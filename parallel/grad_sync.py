@@ -55,8 +55,7 @@ from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buc
 from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
 from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
-from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, MODES_LAUNCHED_FROM_HOOKS,
-                                   WIRE_DTYPES, caps_for_mode, check_sync_options)
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, WIRE_DTYPES, GradSyncConfig
 
 __all__ = ["SyncedDataParallel"]
 
@@ -97,15 +96,12 @@ class SyncedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
-        check_sync_options(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)
+        self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)  # validates
         self.module = module
         self._process_group = process_group
         self._world_size = group_world_size(process_group)
-        self._mode = mode
-        self._compression = grad_compression
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
-        self._caps = caps_for_mode(mode, bucket_cap_mb, first_bucket_cap_mb)
         self._status_slots = self._world_size if carry_rank_status else 0
         self._rank = dist.get_rank(process_group) if self._world_size > 1 else 0
         self._local_status = 0
@@ -130,8 +126,8 @@ class SyncedDataParallel(nn.Module):
         trainable = [p for p in self._params if p.requires_grad][::-1]
         dense = [p for p in trainable if p not in sparse]
         self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
-        self._buckets = build_buckets(dense, assign_buckets(dense, *self._caps), self._status_slots)
-        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._mode, self._world_size,
+        self._buckets = build_buckets(dense, assign_buckets(dense, *self._config.caps), self._status_slots)
+        log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._config.mode, self._world_size,
                   describe_buckets(self._buckets, self.module))
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, slot))
@@ -141,7 +137,7 @@ class SyncedDataParallel(nn.Module):
 
     @property
     def mode(self) -> str:
-        return self._mode
+        return self._config.mode
 
     @property
     def world_size(self) -> int:
@@ -149,7 +145,7 @@ class SyncedDataParallel(nn.Module):
 
     @property
     def grad_compression(self) -> str | None:
-        return self._compression
+        return self._config.grad_compression
 
     @property
     def rank_status(self) -> tuple[int, ...] | None:
@@ -212,7 +208,7 @@ class SyncedDataParallel(nn.Module):
         if not self._sync_enabled or not self._armed:
             return
         started = time.perf_counter()
-        blocking = self._mode == "per_param"
+        blocking = self._config.mode == "per_param"
         for bucket in self._buckets[self._next_launch :]:
             self._launch(bucket)
             if blocking:
@@ -268,7 +264,7 @@ class SyncedDataParallel(nn.Module):
         if not self._sync_enabled:
             return
         self._arm_finish()
-        if self._mode not in MODES_LAUNCHED_FROM_HOOKS:
+        if not self._config.launched_from_hooks:
             return
         if bucket.launched:  # the all-reduce is reading this buffer right now
             raise RuntimeError(
@@ -302,7 +298,7 @@ class SyncedDataParallel(nn.Module):
         bucket.launched = True
         self._next_launch = bucket.index + 1
         if self._world_size > 1:
-            wire_dtype = None if self._compression is None else WIRE_DTYPES[self._compression]
+            wire_dtype = None if self._config.grad_compression is None else WIRE_DTYPES[self._config.grad_compression]
             bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype)
 
     def _complete(self, bucket: Bucket) -> None:

@@ -7,6 +7,7 @@ benchmarks) takes these names from here instead of spelling them again. Pure tor
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -19,9 +20,9 @@ __all__ = [
     "SYNC_MODES",
     "WIRE_DTYPES",
     "GradCompression",
+    "GradSyncConfig",
     "SyncMode",
-    "caps_for_mode",
-    "check_sync_options",
+    "sync_option_problems",
 ]
 
 SyncMode = Literal["bucketed", "flat", "per_param", "per_param_overlap"]
@@ -47,33 +48,54 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
 
 
-def caps_for_mode(mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[float, float]:
-    """The ``(cap_mb, first_cap_mb)`` that turn a sync mode into a bucket layout.
+def sync_option_problems(mode: object, bucket_cap_mb: object, first_bucket_cap_mb: object,
+                         grad_compression: object, *, mode_name: str = "mode") -> list[str]:
+    """Every bad gradient-sync option with its fix, one string each (``mode_name``: what the caller's
+    users call the mode, e.g. the strategy's ``sync_mode``)."""
+    problems = []
+    if mode not in SYNC_MODES:
+        problems.append(f"{mode_name}={mode!r} must be one of {SYNC_MODES}")
+    for name, cap, default in (("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),
+                               ("first_bucket_cap_mb", first_bucket_cap_mb, DEFAULT_FIRST_BUCKET_CAP_MB)):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            problems.append(f"{name}={cap!r} must be a number > 0 (MiB; default {default}; "
+                            f"{mode_name}='per_param' puts each parameter alone)")
+    if grad_compression is not None and grad_compression not in GRAD_COMPRESSIONS:
+        problems.append(f"grad_compression={grad_compression!r} must be None or one of {GRAD_COMPRESSIONS}")
+    return problems
 
-    ``0`` puts each parameter in a bucket of its own, ``math.inf`` makes one bucket per
-    (device, dtype); ``bucketed`` keeps the caps it is given.
+
+@dataclass(frozen=True)
+class GradSyncConfig:
+    """How gradients are all-reduced, validated once at construction (one error naming every bad value).
+
+    ``SyncedDataParallel`` builds one from its arguments; the Lightning strategy's options hold one.
     """
-    if mode not in SYNC_MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
-    if mode in ("per_param", "per_param_overlap"):
-        return 0.0, 0.0
-    if mode == "flat":
-        return math.inf, math.inf
-    return bucket_cap_mb, first_bucket_cap_mb
 
+    mode: SyncMode = "bucketed"
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB
+    grad_compression: GradCompression | None = None
 
-def check_sync_options(
-    mode: str, bucket_cap_mb: float, first_bucket_cap_mb: float, grad_compression: str | None
-) -> None:
-    """Raise ``ValueError`` naming the first bad gradient-sync option and its choices."""
-    if mode not in SYNC_MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {SYNC_MODES}")
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
-    for name, cap in caps.items():
-        if not cap > 0:
-            raise ValueError(
-                f"{name}={cap} must be > 0 MiB (mode='per_param' puts each parameter alone)"
-            )
-    compressions = (None, *GRAD_COMPRESSIONS)
-    if grad_compression not in compressions:
-        raise ValueError(f"grad_compression={grad_compression!r} is not one of {compressions}")
+    def __post_init__(self) -> None:
+        problems = sync_option_problems(self.mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression)
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
+        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
+
+    @property
+    def caps(self) -> tuple[float, float]:
+        """The ``(cap_mb, first_cap_mb)`` that turn the mode into a bucket layout: ``0`` puts each
+        parameter in a bucket of its own, ``math.inf`` makes one bucket per (device, dtype);
+        ``bucketed`` keeps the caps it is given."""
+        if self.mode in ("per_param", "per_param_overlap"):
+            return 0.0, 0.0
+        if self.mode == "flat":
+            return math.inf, math.inf
+        return self.bucket_cap_mb, self.first_bucket_cap_mb
+
+    @property
+    def launched_from_hooks(self) -> bool:
+        """Whether bucket all-reduces start from gradient hooks during backward (else in ``finish``)."""
+        return self.mode in MODES_LAUNCHED_FROM_HOOKS

@@ -49,6 +49,7 @@ import logging
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
@@ -69,10 +70,11 @@ import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
 from parallel.zero import ShardedOptimizer
-from strategies.desync import check_desync_option, enable_desync_check, report_desync
+from strategies.desync import enable_desync_check, report_desync
 from strategies.launchers import one_stage_launcher
 from strategies.layer_sync import CustomSyncBatchNorm
-from strategies.options import as_timedelta, check_options, check_syncbn_group_size
+from strategies.lightning_seams import check_private_seams
+from strategies.options import CustomDDPOptions, as_timedelta, check_syncbn_group_size
 from strategies.preemption import Preemption
 from strategies.scatter_eval import ScatterEvaluation
 from strategies.uneven_gathers import UnevenGathers
@@ -148,10 +150,11 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         desync_check: bool = False,
         broadcast_buffers: bool = True,
     ) -> None:
-        check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
-                      grad_compression=grad_compression, syncbn_group_size=syncbn_group_size,
-                      broadcast_buffers=broadcast_buffers, syncbn_compile=syncbn_compile)
-        check_desync_option(desync_check)
+        self._options = CustomDDPOptions(
+            sync_batchnorm=sync_batchnorm, syncbn_group_size=syncbn_group_size, syncbn_compile=syncbn_compile,
+            sync_mode=sync_mode, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+            grad_compression=grad_compression, zero1=zero1, scatter_eval=scatter_eval, desync_check=desync_check,
+            broadcast_buffers=broadcast_buffers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -162,84 +165,22 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             timeout=as_timedelta(timeout),
             start_method=start_method,
         )
-        self._sync_batchnorm = sync_batchnorm
-        self._sync_mode = sync_mode
-        self._bucket_cap_mb = float(bucket_cap_mb)
-        self._first_bucket_cap_mb = float(first_bucket_cap_mb)
-        self._grad_compression = grad_compression
-        self._syncbn_group_size = syncbn_group_size
-        self._syncbn_compile = syncbn_compile
         self._syncbn_group: Optional[tuple[Any, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
-        self._zero1 = zero1
-        self._scatter_eval = scatter_eval
-        self._desync_check = desync_check
-        self._broadcast_buffers = broadcast_buffers
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
     @property
-    def sync_batchnorm(self) -> bool:
-        return self._sync_batchnorm
-
-    @property
-    def sync_mode(self) -> str:
-        return self._sync_mode
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        return self._bucket_cap_mb
-
-    @property
-    def first_bucket_cap_mb(self) -> float:
-        return self._first_bucket_cap_mb
-
-    @property
-    def grad_compression(self) -> Optional[str]:
-        return self._grad_compression
-
-    @property
-    def syncbn_group_size(self) -> Optional[int]:
-        return self._syncbn_group_size
-
-    @property
-    def zero1(self) -> bool:
-        return self._zero1
-
-    @property
-    def scatter_eval(self) -> bool:
-        return self._scatter_eval
-
-    @property
-    def desync_check(self) -> bool:
-        return self._desync_check
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        return self._broadcast_buffers
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """This strategy's own settings, for logs, hyperparameters and benchmark records."""
-        return {
-            "sync_batchnorm": self._sync_batchnorm,
-            "syncbn_group_size": self._syncbn_group_size,
-            "syncbn_compile": self._syncbn_compile,
-            "sync_mode": self._sync_mode,
-            "bucket_cap_mb": self._bucket_cap_mb,
-            "first_bucket_cap_mb": self._first_bucket_cap_mb,
-            "grad_compression": self._grad_compression,
-            "zero1": self._zero1,
-            "scatter_eval": self._scatter_eval,
-            "desync_check": self._desync_check,
-            "broadcast_buffers": self._broadcast_buffers,
-        }
+    def options(self) -> CustomDDPOptions:
+        """This strategy's own settings (``options.as_dict()`` for logs, hyperparameters, records)."""
+        return self._options
 
     # ----------------------------------------------------------------- setup / teardown
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        check_private_seams()
         self._running_stage = trainer.state.fn
-        if trainer.state.fn == TrainerFn.FITTING and self._sync_batchnorm:
+        if trainer.state.fn == TrainerFn.FITTING and self._options.sync_batchnorm:
             self._layer_sync = self._resolve_layer_sync()
         super().setup(trainer)
         self._preemption.attach(trainer)
@@ -247,28 +188,28 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._desync_check:
+        if self._options.desync_check:
             enable_desync_check()  # before the process group exists: torch wraps it at creation
         super().setup_environment()
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
         if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
-            if self._syncbn_group_size is not None or self._syncbn_compile:
-                chosen = "syncbn_compile=True" if self._syncbn_group_size is None else \
-                    f"syncbn_group_size={self._syncbn_group_size}"
+            if self._options.syncbn_group_size is not None or self._options.syncbn_compile:
+                chosen = "syncbn_compile=True" if self._options.syncbn_group_size is None else \
+                    f"syncbn_group_size={self._options.syncbn_group_size}"
                 raise ValueError(f"CustomDDPStrategy: {chosen} and the plugin {type(self._layer_sync).__name__} both "
                                  "choose the BatchNorm sync; pass only one")
             return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
         if isinstance(self._layer_sync, TorchSyncBatchNorm):
             rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
-        if self._syncbn_group_size is None:
-            return CustomSyncBatchNorm(compile=self._syncbn_compile)
+        if self._options.syncbn_group_size is None:
+            return CustomSyncBatchNorm(compile=self._options.syncbn_compile)
         # dist.new_group is collective and its groups live as long as the world group: made once per
         # world, on every rank (a second fit in the same processes reuses them).
         if self._syncbn_group is None or self._syncbn_group[0] is not dist.group.WORLD:
-            check_syncbn_group_size(self._syncbn_group_size, dist.get_world_size())
-            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._syncbn_group_size, self._timeout,
-                                                               self._syncbn_compile)
+            check_syncbn_group_size(self._options.syncbn_group_size, dist.get_world_size())
+            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._options.syncbn_group_size, self._timeout,
+                                                               self._options.syncbn_compile)
             self._syncbn_group = (dist.group.WORLD, plugin)
         return self._syncbn_group[1]
 
@@ -290,10 +231,8 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
         # carry_rank_status: the stop flag of strategies.preemption rides in the last gradient bucket.
-        return SyncedDataParallel(model, mode=self._sync_mode, bucket_cap_mb=self._bucket_cap_mb,
-                                  first_bucket_cap_mb=self._first_bucket_cap_mb,
-                                  grad_compression=self._grad_compression, carry_rank_status=True,
-                                  broadcast_buffers=self._broadcast_buffers)
+        return SyncedDataParallel(model, **asdict(self._options.grad_sync), carry_rank_status=True,
+                                  broadcast_buffers=self._options.broadcast_buffers)
 
     @override
     def configure_ddp(self) -> None:
@@ -303,7 +242,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._zero1:
+        if self._options.zero1:
             self.optimizers = [self._shard_optimizer(optimizer) for optimizer in self.optimizers]
 
     def _shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
@@ -365,7 +304,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._desync_check and self.cluster_environment is not None:
+        if self._options.desync_check and self.cluster_environment is not None:
             env = self.cluster_environment
             message = report_desync(exception, self.global_rank, self.world_size, env.main_address, env.main_port)
             if message is not None:

@@ -11,7 +11,7 @@ and a closure does not pickle (``custom_ddp_spawn`` failed before training with
 ``Can't pickle local object``).
 
 Lightning's launcher classes are private (``lightning.pytorch.strategies.launchers``); their
-constructor signatures are part of what ``strategies.preemption.check_lightning_version`` pins.
+constructor signatures are listed in :mod:`strategies.lightning_seams`, checked at setup.
 """
 
 from __future__ import annotations

@@ -1,57 +1,85 @@
-"""Validation of ``CustomDDPStrategy``'s options: one error listing every bad value and its fix."""
+"""``CustomDDPStrategy``'s options as one frozen, validated object, and the checks that need more context."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GRAD_COMPRESSIONS, SYNC_MODES
+from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, GradSyncConfig,
+                                  SyncMode, sync_option_problems)
 
-__all__ = ["as_timedelta", "check_options", "check_syncbn_group_size", "is_mean_op"]
+__all__ = ["CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
 
 
-def check_options(
-    sync_batchnorm: Any, sync_mode: Any, bucket_cap_mb: Any, zero1: Any, scatter_eval: Any, *,
-    first_bucket_cap_mb: Any = DEFAULT_FIRST_BUCKET_CAP_MB, grad_compression: Any = None, syncbn_group_size: Any = None,
-    broadcast_buffers: Any = True,
-    syncbn_compile: Any = False,
-) -> None:
-    """Raise one error that lists every bad option with its fix."""
-    problems = [
-        f"{name}={value!r} must be a bool"
-        for name, value in (("sync_batchnorm", sync_batchnorm), ("zero1", zero1), ("scatter_eval", scatter_eval),
-                            ("broadcast_buffers", broadcast_buffers), ("syncbn_compile", syncbn_compile))
-        if not isinstance(value, bool)
-    ]
+_BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_check", "broadcast_buffers")
+
+
+@dataclass(frozen=True)
+class CustomDDPOptions:
+    """``CustomDDPStrategy``'s own options, validated once at construction: one ``ValueError`` lists
+    every bad value with its fix. Adding an option: a field here (+ its check), a parameter of the
+    strategy, and its use. The fields' meanings are in the strategy's docstring."""
+
+    sync_batchnorm: bool = True
+    syncbn_group_size: Optional[int] = None
+    syncbn_compile: bool = False
+    sync_mode: SyncMode = "bucketed"
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB
+    grad_compression: Optional[GradCompression] = None
+    zero1: bool = False
+    scatter_eval: bool = True
+    desync_check: bool = False
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}={getattr(self, name)!r} must be a bool" for name in _BOOLS
+                    if not isinstance(getattr(self, name), bool)]
+        problems += sync_option_problems(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb,
+                                         self.grad_compression, mode_name="sync_mode")
+        problems += _syncbn_problems(self.syncbn_group_size, self.syncbn_compile, self.sync_batchnorm)
+        if problems:
+            raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
+        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
+        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
+
+    @property
+    def grad_sync(self) -> GradSyncConfig:
+        """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments)."""
+        return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every option by name, for logs, hyperparameters and benchmark records."""
+        return asdict(self)
+
+
+def check_init_args(init_args: Mapping[str, Any]) -> None:
+    """The strategy constructor's option checks on its arguments, without building it (``train.py``
+    runs them on the parsed config, where jsonargparse would bury the error in a report of a Union)."""
+    CustomDDPOptions(**{f.name: init_args[f.name] for f in fields(CustomDDPOptions) if f.name in init_args})
+    if "timeout" in init_args:
+        as_timedelta(init_args["timeout"])
+
+
+def _syncbn_problems(syncbn_group_size: Any, syncbn_compile: Any, sync_batchnorm: Any) -> list[str]:
+    """What is wrong with the SyncBN options before the world size is known (see :func:`check_syncbn_group_size`)."""
+    problems = []
     if syncbn_compile is True and sync_batchnorm is False:
         problems.append("syncbn_compile=True needs sync_batchnorm=True (it compiles the SyncBatchNorm kernel); drop it "
                         "or set sync_batchnorm=True")
-    if sync_mode not in SYNC_MODES:
-        problems.append(f"sync_mode={sync_mode!r} must be one of {SYNC_MODES}")
-    for name, cap, default in (("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),
-                               ("first_bucket_cap_mb", first_bucket_cap_mb, DEFAULT_FIRST_BUCKET_CAP_MB)):
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            problems.append(f"{name}={cap!r} must be a number > 0 (MiB; default {default})")
-    if grad_compression is not None and grad_compression not in GRAD_COMPRESSIONS:
-        problems.append(f"grad_compression={grad_compression!r} must be None or one of {GRAD_COMPRESSIONS}")
-    problems += _syncbn_group_problems(syncbn_group_size, sync_batchnorm)
-    if problems:
-        raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
-
-
-def _syncbn_group_problems(syncbn_group_size: Any, sync_batchnorm: Any) -> list[str]:
-    """What is wrong with ``syncbn_group_size`` before the world size is known (see :func:`check_syncbn_group_size`)."""
     if syncbn_group_size is None:
-        return []
+        return problems
     if isinstance(syncbn_group_size, bool) or not isinstance(syncbn_group_size, int) or syncbn_group_size < 1:
-        return [f"syncbn_group_size={syncbn_group_size!r} must be None (all ranks) or an int >= 1 that divides the "
-                "world size, e.g. 2"]
+        return problems + [f"syncbn_group_size={syncbn_group_size!r} must be None (all ranks) or an int >= 1 that "
+                           "divides the world size, e.g. 2"]
     if sync_batchnorm is False:
-        return [f"syncbn_group_size={syncbn_group_size} needs sync_batchnorm=True (it groups the SyncBatchNorm "
-                "statistics); drop it or set sync_batchnorm=True"]
-    return []
+        problems.append(f"syncbn_group_size={syncbn_group_size} needs sync_batchnorm=True (it groups the SyncBatchNorm "
+                        "statistics); drop it or set sync_batchnorm=True")
+    return problems
 
 
 def check_syncbn_group_size(syncbn_group_size: int, world_size: int) -> None:

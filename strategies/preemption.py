@@ -35,7 +35,7 @@ launcher's watcher.
 Lightning's per-batch ``_broadcast_sigterm_tensor`` stays: it broadcasts rank 0's
 ``trainer.received_sigterm``, which only Lightning's (replaced) handler sets, so it carries 0 and
 never stops one rank alone. Private Lightning behaviour this relies on (handler order, the popen
-watcher, see :func:`_exit_after_parent`) is checked at setup against the verified version.
+watcher, see :func:`_exit_after_parent`) is listed in :mod:`strategies.lightning_seams`, checked at setup.
 """
 
 from __future__ import annotations
@@ -58,25 +58,13 @@ from typing_extensions import override
 from parallel.grad_sync import SyncedDataParallel
 from strategies.stop_signals import SignalRecorder, StopOnSignal, exit_status, signal_name, write_stderr
 
-__all__ = ["Preemption", "check_lightning_version", "stop_checkpoint_path"]
+__all__ = ["Preemption", "stop_checkpoint_path"]
 
 log = logging.getLogger(__name__)
 
-VERIFIED_LIGHTNING = "2.6"  # signal_connector / training_epoch_loop / popen launcher read for this series
 # How long a popen child waits at exit for local rank 0 to exit first: after a coordinated stop
 # rank 0 exits within seconds; outside fit only this rank may have stopped, so wait little.
 _PARENT_EXIT_WAIT_S = {True: 30.0, False: 3.0}
-
-
-def check_lightning_version(version: str = lightning.__version__) -> None:
-    """Fail at setup when Lightning is not the series whose signal handling this module was built on."""
-    if version != VERIFIED_LIGHTNING and not version.startswith(VERIFIED_LIGHTNING + "."):
-        raise RuntimeError(
-            f"custom_ddp's signal handling relies on Lightning {VERIFIED_LIGHTNING}.x internals (signal handlers "
-            f"registered before on_train_start, the per-batch SIGTERM broadcast, the popen launcher's child "
-            f"watcher); found Lightning {version}. Re-check strategies/preemption.py against it and update "
-            "VERIFIED_LIGHTNING, or install lightning>=2.6,<2.7 as pyproject.toml pins."
-        )
 
 
 def stop_checkpoint_path(trainer: pl.Trainer) -> str:
@@ -106,7 +94,7 @@ def _stop_signals(trainer: pl.Trainer) -> list[int]:
 
 def _is_popen_child(trainer: pl.Trainer) -> bool:
     """Whether this rank was started by Lightning's popen launcher from local rank 0 of its node."""
-    # Private class: covered by check_lightning_version at setup.
+    # Private class: listed in strategies.lightning_seams, checked at setup.
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     strategy = trainer.strategy
@@ -150,7 +138,6 @@ class Preemption(Callback):
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Join ``trainer``'s callbacks, ahead of the checkpoint callbacks (Lightning keeps those last)."""
-        check_lightning_version()
         self._stop, self._checked, self._trainer = None, False, trainer
         if self not in trainer.callbacks:
             first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),

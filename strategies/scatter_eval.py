@@ -149,10 +149,10 @@ class _EvaluationRun:
 class ScatterEvaluation:
     """Strategy hooks of scatter evaluation; mix in before ``DDPStrategy``.
 
-    The strategy sets ``_scatter_eval`` (its ``scatter_eval`` option) in ``__init__``.
+    Reads the strategy's ``options.scatter_eval``.
     """
 
-    _scatter_eval: bool
+    options: Any  # the strategy's CustomDDPOptions
     _collective_device: torch.device  # the strategy's: CPU for gloo, the rank's device for NCCL
     _evaluation_run: Optional[_EvaluationRun] = None  # between on_*_start and on_*_end of a scattered run
 
@@ -164,7 +164,7 @@ class ScatterEvaluation:
     def _scatters(self) -> bool:
         """Whether the evaluation loaders being set up now, and their run, are scattered."""
         trainer = self._trainer
-        return (self._scatter_eval and trainer is not None and trainer.world_size > 1
+        return (self.options.scatter_eval and trainer is not None and trainer.world_size > 1
                 and trainer.state.stage in _EVAL_STAGES)
 
     @property

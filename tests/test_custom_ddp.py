@@ -204,8 +204,9 @@ def test_registered_by_name_with_ddp_defaults() -> None:
     assert StrategyRegistry["custom_ddp"]["strategy"] is CustomDDPStrategy
     strategy = pl.Trainer(strategy="custom_ddp", accelerator="cpu", devices=2, logger=False).strategy
     assert isinstance(strategy, CustomDDPStrategy) and strategy._start_method == "popen"
-    assert (strategy.sync_batchnorm, strategy.sync_mode, strategy.bucket_cap_mb, strategy.zero1,
-            strategy.scatter_eval) == (True, "bucketed", 25.0, False, True)
+    options = strategy.options
+    assert (options.sync_batchnorm, options.sync_mode, options.bucket_cap_mb, options.zero1,
+            options.scatter_eval) == (True, "bucketed", 25.0, False, True)
     for start_method in ("fork", "spawn"):
         strategy = pl.Trainer(strategy=f"custom_ddp_{start_method}", accelerator="cpu", devices=2, logger=False).strategy
         assert isinstance(strategy, CustomDDPStrategy) and strategy._start_method == start_method

@@ -40,7 +40,7 @@ def test_only_torchs_mismatch_report_counts_as_a_desync() -> None:
 
 
 def test_option_must_be_a_bool() -> None:
-    assert CustomDDPStrategy(desync_check=True).options["desync_check"] is True
+    assert CustomDDPStrategy(desync_check=True).options.desync_check is True
     with pytest.raises(ValueError, match="desync_check='yes' must be a bool"):
         CustomDDPStrategy(desync_check="yes")
 

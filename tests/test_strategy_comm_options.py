@@ -34,9 +34,8 @@ def test_options_from_the_command_line_reach_the_strategy_and_its_record() -> No
                       "--trainer.strategy.syncbn_group_size=2", "--trainer.strategy.syncbn_compile=true"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy)
-    assert (strategy.grad_compression, strategy.first_bucket_cap_mb, strategy.syncbn_group_size) == ("bf16", 0.5, 2)
     keys = ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size", "syncbn_compile")
-    assert {key: strategy.options[key] for key in keys} \
+    assert {key: getattr(strategy.options, key) for key in keys} \
         == {"grad_compression": "bf16", "first_bucket_cap_mb": 0.5, "syncbn_group_size": 2, "syncbn_compile": True}
 
 
@@ -51,9 +50,9 @@ def test_options_are_recorded_as_hyperparameters_and_in_benchmark_records() -> N
 
 def test_defaults_are_torch_ddps() -> None:
     options = CustomDDPStrategy().options
-    assert (options["grad_compression"], options["first_bucket_cap_mb"], options["syncbn_group_size"]) == (None, 1.0, None)
-    assert options["broadcast_buffers"] is True  # DDP's broadcast_buffers default
-    assert options["syncbn_compile"] is False  # the eager kernel unless asked: a first compile takes ~20 s
+    assert (options.grad_compression, options.first_bucket_cap_mb, options.syncbn_group_size) == (None, 1.0, None)
+    assert options.broadcast_buffers is True  # DDP's broadcast_buffers default
+    assert options.syncbn_compile is False  # the eager kernel unless asked: a first compile takes ~20 s
 
 
 @pytest.mark.parametrize(

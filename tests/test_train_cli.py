@@ -255,7 +255,8 @@ def test_strategy_options_from_yaml_by_short_class_name(tmp_path: Path, timeout:
                       "--trainer.strategy.zero1=true"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy)
-    assert (strategy.sync_mode, strategy.zero1, strategy._timeout) == ("per_param", True, timedelta(seconds=seconds))
+    options = strategy.options
+    assert (options.sync_mode, options.zero1, strategy._timeout) == ("per_param", True, timedelta(seconds=seconds))
 
 
 def test_registered_name_without_options_stays_a_name(capsys: pytest.CaptureFixture) -> None:
@@ -267,7 +268,7 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
     cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp_fork",
                       "--trainer.strategy.sync_mode=flat", "--trainer.strategy.timeout=90"], run=False)
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, CustomDDPStrategy) and strategy.sync_mode == "flat"
+    assert isinstance(strategy, CustomDDPStrategy) and strategy.options.sync_mode == "flat"
     assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
 
 
