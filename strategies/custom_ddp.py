@@ -46,44 +46,39 @@ Example::
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
-from parallel.zero import ShardedOptimizer
 from strategies.desync import enable_desync_check, report_desync
 from strategies.launchers import one_stage_launcher
-from strategies.layer_sync import CustomSyncBatchNorm
+from strategies.layer_sync import BatchNormSyncChoice
 from strategies.lightning_seams import check_private_seams
-from strategies.options import CustomDDPOptions, as_timedelta, check_syncbn_group_size
+from strategies.options import CustomDDPOptions, as_timedelta
 from strategies.preemption import Preemption
 from strategies.scatter_eval import ScatterEvaluation
 from strategies.uneven_gathers import UnevenGathers
+from strategies.zero1 import shard_optimizers
 
 __all__ = ["CustomDDPStrategy"]
 
 log = logging.getLogger(__name__)
 
-_REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 
 
 class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
@@ -165,7 +160,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             timeout=as_timedelta(timeout),
             start_method=start_method,
         )
-        self._syncbn_group: Optional[tuple[Any, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
+        self._batchnorm_sync = BatchNormSyncChoice(syncbn_group_size, syncbn_compile, self._timeout)
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
@@ -181,7 +176,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         check_private_seams()
         self._running_stage = trainer.state.fn
         if trainer.state.fn == TrainerFn.FITTING and self._options.sync_batchnorm:
-            self._layer_sync = self._resolve_layer_sync()
+            self._layer_sync = self._batchnorm_sync.plugin(self._layer_sync)
         super().setup(trainer)
         self._preemption.attach(trainer)
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
@@ -191,27 +186,6 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         if self._options.desync_check:
             enable_desync_check()  # before the process group exists: torch wraps it at creation
         super().setup_environment()
-
-    def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
-        if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
-            if self._options.syncbn_group_size is not None or self._options.syncbn_compile:
-                chosen = "syncbn_compile=True" if self._options.syncbn_group_size is None else \
-                    f"syncbn_group_size={self._options.syncbn_group_size}"
-                raise ValueError(f"CustomDDPStrategy: {chosen} and the plugin {type(self._layer_sync).__name__} both "
-                                 "choose the BatchNorm sync; pass only one")
-            return self._layer_sync  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
-        if isinstance(self._layer_sync, TorchSyncBatchNorm):
-            rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
-        if self._options.syncbn_group_size is None:
-            return CustomSyncBatchNorm(compile=self._options.syncbn_compile)
-        # dist.new_group is collective and its groups live as long as the world group: made once per
-        # world, on every rank (a second fit in the same processes reuses them).
-        if self._syncbn_group is None or self._syncbn_group[0] is not dist.group.WORLD:
-            check_syncbn_group_size(self._options.syncbn_group_size, dist.get_world_size())
-            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._options.syncbn_group_size, self._timeout,
-                                                               self._options.syncbn_compile)
-            self._syncbn_group = (dist.group.WORLD, plugin)
-        return self._syncbn_group[1]
 
     @property
     def _collective_device(self) -> torch.device:
@@ -243,20 +217,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._options.zero1:
-            self.optimizers = [self._shard_optimizer(optimizer) for optimizer in self.optimizers]
-
-    def _shard_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        """Re-create ``optimizer`` as a ZeRO-1 ShardedOptimizer and re-point its LR schedulers."""
-        # The group dicts are shared with the original optimizer, so hyperparameters a scheduler
-        # already set (lr, initial_lr) carry over.
-        sharded = ShardedOptimizer.from_optimizer(optimizer)
-        for config in self.lr_scheduler_configs:
-            if config.scheduler.optimizer is optimizer:
-                config.scheduler.optimizer = sharded
-                # torch marks the optimizer a scheduler was built on and warns at the first
-                # scheduler step that the re-pointed one's step() "has been overridden": intended.
-                warnings.filterwarnings("ignore", message=_REPOINTED_SCHEDULER_WARNING, category=UserWarning)
-        return sharded
+            self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     @override
     def teardown(self) -> None:

@@ -13,16 +13,19 @@ Example:
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
-from lightning.pytorch.plugins import LayerSync
+from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
 from parallel.dist_utils import consecutive_rank_group
 from parallel.syncbn import SyncBatchNorm
+from strategies.options import check_syncbn_group_size
 
-__all__ = ["CustomSyncBatchNorm"]
+__all__ = ["BatchNormSyncChoice", "CustomSyncBatchNorm"]
 
 
 class CustomSyncBatchNorm(LayerSync):
@@ -60,10 +63,43 @@ class CustomSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Replace every BatchNorm layer (any ``_BatchNorm``, user subclasses included) in ``model`` by :class:`SyncBatchNorm`."""
+        """Replace every BatchNorm layer (any ``_BatchNorm``, user subclasses included) by :class:`SyncBatchNorm`."""
         return SyncBatchNorm.convert(model, self._process_group, compile=self._compile)
 
     @override
     def revert(self, model: Module) -> Module:
         """Turn every :class:`SyncBatchNorm` in ``model`` back into the class it replaced."""
         return SyncBatchNorm.revert(model)
+
+
+class BatchNormSyncChoice:
+    """Which ``LayerSync`` plugin converts BatchNorm while ``custom_ddp`` fits.
+
+    A plugin the user passed (``plugins=[CustomSyncBatchNorm(group)]``) is kept; Lightning's
+    CUDA-only ``TorchSyncBatchNorm`` (``Trainer(sync_batchnorm=True)``) is replaced; otherwise
+    the strategy's ``syncbn_group_size`` / ``syncbn_compile`` options decide.
+    """
+
+    def __init__(self, group_size: Optional[int], compile: bool, timeout: Optional[timedelta]) -> None:
+        self._group_size, self._compile, self._timeout = group_size, compile, timeout
+        self._groups: Optional[tuple[object, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
+
+    def plugin(self, current: Optional[LayerSync]) -> LayerSync:
+        """The plugin for this fit, given the one Lightning's connector set (``strategy._layer_sync``)."""
+        if current is not None and not isinstance(current, TorchSyncBatchNorm):
+            if self._group_size is not None or self._compile:
+                chosen = "syncbn_compile=True" if self._group_size is None else f"syncbn_group_size={self._group_size}"
+                raise ValueError(f"CustomDDPStrategy: {chosen} and the plugin {type(current).__name__} both choose "
+                                 "the BatchNorm sync; pass only one")
+            return current  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
+        if isinstance(current, TorchSyncBatchNorm):
+            rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")
+        if self._group_size is None:
+            return CustomSyncBatchNorm(compile=self._compile)
+        # dist.new_group is collective and its groups live as long as the world group: made once per
+        # world, on every rank (a second fit in the same processes reuses them).
+        if self._groups is None or self._groups[0] is not dist.group.WORLD:
+            check_syncbn_group_size(self._group_size, dist.get_world_size())
+            plugin = CustomSyncBatchNorm.in_consecutive_groups(self._group_size, self._timeout, self._compile)
+            self._groups = (dist.group.WORLD, plugin)
+        return self._groups[1]

@@ -9,6 +9,8 @@ group's concatenated batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import copy
 
 import pytest
@@ -26,6 +28,11 @@ from strategies import CustomDDPStrategy
 from strategies.layer_sync import CustomSyncBatchNorm
 
 _UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def _plugin_for_fit(strategy: CustomDDPStrategy) -> Any:
+    """The LayerSync plugin the strategy's setup installs when fitting."""
+    return strategy._batchnorm_sync.plugin(strategy._layer_sync)
 
 
 def test_options_from_the_command_line_reach_the_strategy_and_its_record() -> None:
@@ -146,7 +153,7 @@ def _rows(rank: int) -> slice:
 
 
 def _grouped_syncbn(rank: int, world_size: int) -> dict:
-    plugin = CustomDDPStrategy(syncbn_group_size=2)._resolve_layer_sync()
+    plugin = _plugin_for_fit(CustomDDPStrategy(syncbn_group_size=2))
     net = plugin.apply(nn.Sequential(nn.BatchNorm2d(_CHANNELS)))
     x, grad = _group_batches()
     x = x[_rows(rank)].clone().requires_grad_()
@@ -180,7 +187,7 @@ def test_syncbn_in_groups_of_two_equals_batchnorm_on_each_groups_batch(tmp_path)
 
 
 def _group_size_three(rank: int, world_size: int) -> None:
-    CustomDDPStrategy(syncbn_group_size=3)._resolve_layer_sync()
+    _plugin_for_fit(CustomDDPStrategy(syncbn_group_size=3))
 
 
 @pytest.mark.distributed
@@ -196,15 +203,15 @@ def test_group_size_and_a_syncbn_plugin_together_are_refused() -> None:
     strategy = CustomDDPStrategy(syncbn_group_size=2)
     strategy._layer_sync = CustomSyncBatchNorm()
     with pytest.raises(ValueError, match="syncbn_group_size=2 and the plugin CustomSyncBatchNorm both"):
-        strategy._resolve_layer_sync()
+        _plugin_for_fit(strategy)
 
 
 def test_syncbn_compile_converts_to_compiled_layers_and_refuses_a_plugin_beside_it() -> None:
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
-    plugin = CustomDDPStrategy(syncbn_compile=True)._resolve_layer_sync()
+    plugin = _plugin_for_fit(CustomDDPStrategy(syncbn_compile=True))
     assert plugin.compile and plugin.apply(net)[1].compile_kernel
-    assert not CustomDDPStrategy()._resolve_layer_sync().compile
+    assert not _plugin_for_fit(CustomDDPStrategy()).compile
     strategy = CustomDDPStrategy(syncbn_compile=True)
     strategy._layer_sync = CustomSyncBatchNorm()
     with pytest.raises(ValueError, match="syncbn_compile=True and the plugin CustomSyncBatchNorm both"):
-        strategy._resolve_layer_sync()
+        _plugin_for_fit(strategy)
