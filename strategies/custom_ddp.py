@@ -3,14 +3,18 @@
 ``CustomDDPStrategy`` subclasses Lightning's ``DDPStrategy``, so launching (popen by default;
 fork/spawn selectable), cluster environments (torchrun, SLURM, Lightning's own), ``num_nodes``,
 the process group and its timeout, ``barrier``/``broadcast``/``reduce`` and checkpoint I/O are
-Lightning's. It replaces three things, each through a public seam of the strategy API:
+Lightning's. It replaces three things through the strategy API; where Lightning has no public
+seam (the DDP wrapping, the launcher, the LayerSync slot, the trainer while loaders are set up)
+the private names it uses are listed in :mod:`strategies.lightning_seams` and checked at setup.
+Options: one frozen, validated :class:`strategies.options.CustomDDPOptions` (``strategy.options``).
 
 1. **BatchNorm** (``sync_batchnorm``): at fit setup every ``BatchNorm*d`` becomes
    :class:`parallel.syncbn.SyncBatchNorm` (one collective forward, one backward) through the
    :class:`strategies.layer_sync.CustomSyncBatchNorm` plugin; teardown reverts it. The plugin is
-   installed in ``setup`` because Lightning's connector overwrites ``_layer_sync`` after
-   ``__init__``; ``plugins=[CustomSyncBatchNorm(group)]`` works too, and ``Trainer(
-   sync_batchnorm=True)`` (CUDA-only ``torch.nn.SyncBatchNorm``) is swapped for ours.
+   chosen in ``setup`` (:class:`strategies.layer_sync.BatchNormSyncChoice`) because Lightning's
+   connector overwrites ``_layer_sync`` after ``__init__``; ``plugins=[CustomSyncBatchNorm(group)]``
+   works too, and ``Trainer(sync_batchnorm=True)`` (CUDA-only ``torch.nn.SyncBatchNorm``) is
+   swapped for ours.
 2. **Gradients** (``sync_mode``, ``bucket_cap_mb``): the module is wrapped in
    :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP. Lightning runs
    non-stepping micro-batches of ``accumulate_grad_batches`` inside ``block_backward_sync`` ->
@@ -20,8 +24,8 @@ Lightning's. It replaces three things, each through a public seam of the strateg
    ``post_backward`` calls ``finish()`` (then a no-op, or the join of a rank whose backward made no
    gradient) and reads the preemption flag that rode in the last bucket. Buffers: rank 0's before
    each training forward (``broadcast_buffers``, as ddp). ``zero1`` re-creates each optimizer as a
-   :class:`parallel.zero.ShardedOptimizer` (state sharded over ranks; checkpoints hold the
-   consolidated state and every rank loads its shard on resume).
+   :class:`parallel.zero.ShardedOptimizer` (:mod:`strategies.zero1`; state sharded over ranks;
+   checkpoints hold the consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
    replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
    over this rank's shard (:mod:`strategies.scatter_eval`, the one component of scatter evaluation):
@@ -30,7 +34,7 @@ Lightning's. It replaces three things, each through a public seam of the strateg
    network. Shards differ by one sample, so ranks run different numbers of batches and nothing may
    communicate per batch. Every torchmetrics metric of the module and of the callbacks is made
    exact without the module knowing (:mod:`parallel.metric_sync`: its compute-time sync waits for
-   the rank's last step of the loader, then all metrics merge in at most four collectives);
+   the rank's last step of the loader, then all metrics merge in at most five collectives);
    ``self.log(sync_dist=True)`` epoch means are exact, step values stay per rank;
    :meth:`CustomDDPStrategy.all_gather` accepts uneven row counts (``ddp``'s padded shape, with a
    warning) and :meth:`CustomDDPStrategy.all_gather_samples` gives each sample once, in dataset
@@ -186,6 +190,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         if self._options.desync_check:
             enable_desync_check()  # before the process group exists: torch wraps it at creation
         super().setup_environment()
+        log.debug("%s: environment set up (rank %d of %d)", self.__class__.__name__, self.global_rank, self.world_size)
 
     @property
     def _collective_device(self) -> torch.device:
@@ -212,12 +217,14 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     def configure_ddp(self) -> None:
         # No torch DDP, hence none of DDPStrategy's comm hooks: SyncedDataParallel owns the sync.
         self.model = self._setup_model(self.model)
+        log.debug("%s: module wrapped in SyncedDataParallel (%s)", self.__class__.__name__, self._options.grad_sync)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._options.zero1:
             self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs)
+            log.debug("%s: %d optimizer(s) sharded (ZeRO-1)", self.__class__.__name__, len(self.optimizers))
 
     @override
     def teardown(self) -> None:
@@ -225,8 +232,9 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         if isinstance(self.model, SyncedDataParallel):
             self.model.remove_hooks()
             self.model = self.lightning_module
-        self._running_stage = None
+        stage, self._running_stage = self._running_stage, None
         super().teardown()
+        log.debug("%s: teardown done after %s", self.__class__.__name__, stage)
 
     # ----------------------------------------------------------------- gradient sync
 
