@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import fmt_value, headline_table
+from benchmarks.readme_block import replace_block
 
 __all__ = ["render_block", "update_readme"]
 
@@ -48,11 +49,7 @@ def render_block(results: Path = RESULTS) -> str:
 
 def update_readme(readme: Path = README, results: Path = RESULTS) -> tuple[str, str]:
     """``(current README text, README text with a fresh block)``; raises if the markers are missing."""
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block: add both markers where the results go")
-    head, rest = text.split(BEGIN, 1)
-    return text, head + render_block(results) + rest.split(END, 1)[1]
+    return replace_block(readme, BEGIN, END, render_block(results))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from benchmarks.readme_block import replace_block
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
 RESULTS = REPO_ROOT / "conformance" / "results" / "fault_matrix"
@@ -77,11 +79,7 @@ def render_block(record: dict[str, Any]) -> str:
 
 def update_readme(record: dict[str, Any], readme: Path = README) -> tuple[str, str]:
     """``(README text now, README text with a fresh block)``; raises if the markers are missing."""
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block: add both markers where the table goes")
-    head, rest = text.split(BEGIN, 1)
-    return text, head + render_block(record) + rest.split(END, 1)[1]
+    return replace_block(readme, BEGIN, END, render_block(record))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from benchmarks.readme_block import replace_block
 from conformance.patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
                                  VariableWidthGather)
 from measure.run_info import environment
@@ -137,12 +138,8 @@ def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md"
 
     ``render_record``, ``begin`` and ``end``: another table's renderer and markers (default: this one's).
     """
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{readme} has no {begin} ... {end} block: add both markers where the table goes")
-    head, rest = text.split(begin, 1)
     lines = (render_record or render)(record)
-    return text, head + "\n".join([begin, "", *lines, "", end]) + rest.split(end, 1)[1]
+    return replace_block(readme, begin, end, "\n".join([begin, "", *lines, "", end]))
 
 
 def write_tables(record: dict[str, Any], out: Path | None, default_out: Path, title: str,
