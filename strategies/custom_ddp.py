@@ -72,6 +72,7 @@ from strategies.evaluation_hooks import ScatterEvaluationHooks
 from strategies.layer_sync import CustomSyncBatchNorm
 from strategies.options import as_timedelta, check_options, check_syncbn_group_size, is_mean_op
 from strategies.preemption import Preemption
+from strategies.watchdog import DEFAULT_STALL_TIMEOUT_S, Watchdog, check_stall_timeout
 
 __all__ = ["CustomDDPStrategy"]
 
@@ -109,6 +110,9 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
             ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): a rank issuing a different collective ends the run
             with an error naming both sides instead of a wait; costs a few ms per collective of a
             step on 2 CPU ranks (:mod:`strategies.desync`, ``benchmarks/results/desync_cost``).
+        stall_timeout: Seconds a rank may show no progress (a stopped process, a main thread that
+            loops or blocks outside a collective) before every rank ends with exit status 75 and
+            rank 0 prints one report naming it (:mod:`strategies.stall_watch`); ``None``: never.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum (:mod:`strategies.preemption`).
@@ -135,10 +139,12 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         desync_check: bool = False,
+        stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         check_options(sync_batchnorm, sync_mode, bucket_cap_mb, zero1, scatter_eval, first_bucket_cap_mb=first_bucket_cap_mb,
                       grad_compression=grad_compression, syncbn_group_size=syncbn_group_size)
         check_desync_option(desync_check)
+        check_stall_timeout(stall_timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -161,6 +167,7 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
         self._desync_check = desync_check
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
+        self._watchdog = Watchdog(stall_timeout)  # a stalled rank ends the job; survivors name a failed rank
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
     @property
@@ -200,6 +207,10 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         return self._desync_check
 
     @property
+    def stall_timeout(self) -> Optional[float]:
+        return self._watchdog.stall_timeout
+
+    @property
     def options(self) -> dict[str, Any]:
         """This strategy's own settings, for logs, hyperparameters and benchmark records."""
         return {
@@ -212,6 +223,7 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
             "zero1": self._zero1,
             "scatter_eval": self._scatter_eval,
             "desync_check": self._desync_check,
+            "stall_timeout": self._watchdog.stall_timeout,
         }
 
     # ----------------------------------------------------------------- setup / teardown
@@ -223,6 +235,7 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
             self._layer_sync = self._resolve_layer_sync()
         super().setup(trainer)
         self._preemption.attach(trainer)
+        self._watchdog.attach(trainer)
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
 
     @override
@@ -303,6 +316,7 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._preemption.detach()
+        self._watchdog.detach()
         if isinstance(self.model, SyncedDataParallel):
             self.model.remove_hooks()
             self.model = self.lightning_module

@@ -1,0 +1,196 @@
+"""``custom_ddp``'s watchdog: progress markers from Lightning's hooks, stall detection, exit causes.
+
+A callback the strategy adds in ``setup`` and removes in ``teardown`` (like
+:class:`~strategies.preemption.Preemption`). While a stage runs on 2+ ranks it
+
+- starts this rank's :class:`~strategies.heartbeat.Heartbeat` thread on a new client connection
+  to the job's TCP store (``cluster_environment.main_address:main_port``: the rendezvous store of
+  Lightning's launchers, torchrun's agent store), keys under ``custom_ddp/<restart>/<stage n>/``;
+- marks progress at every batch start and end (train, validation, test, predict, sanity check)
+  and optimizer step: the markers :mod:`strategies.stall_watch` reads;
+- on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
+  exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first.
+
+``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from typing_extensions import override
+
+from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
+from strategies.heartbeat import Heartbeat, Progress, connect_store
+from strategies.stall_watch import StallWatch
+
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "Watchdog", "check_stall_timeout"]
+
+log = logging.getLogger(__name__)
+
+# Longer than any healthy silence of a main thread outside a collective and outside a declared slow
+# phase: one training or evaluation batch, an epoch-end hook, the first fetch of a DataLoader with
+# many workers. Those take seconds to a minute; 5 minutes leaves a wide margin and still ends a
+# stalled job 6 times sooner than torch's default 30-minute collective timeout.
+DEFAULT_STALL_TIMEOUT_S = 300.0
+
+
+def check_stall_timeout(stall_timeout: Any) -> None:
+    ok = stall_timeout is None or (not isinstance(stall_timeout, bool) and isinstance(stall_timeout, (int, float))
+                                   and stall_timeout > 0 and math.isfinite(stall_timeout))
+    if not ok:
+        raise ValueError(f"CustomDDPStrategy: stall_timeout={stall_timeout!r} must be a number of seconds > 0 "
+                         f"(default {DEFAULT_STALL_TIMEOUT_S:g}) or None to never end a job on a stall")
+
+
+class Watchdog(Callback):
+    """Heartbeat, progress markers, stall detection and exit causes for one stage at a time."""
+
+    def __init__(self, stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S) -> None:
+        self.stall_timeout = stall_timeout
+        self.progress = Progress()
+        self._heartbeat: Optional[Heartbeat] = None
+        self._watch: Optional[StallWatch] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._stages = 0
+        self._saved_step: Optional[int] = None
+
+    # ------------------------------------------------------------- strategy side
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Join the callbacks and start the heartbeat (2+ ranks only)."""
+        self._stages += 1
+        env = trainer.strategy.cluster_environment
+        if trainer.world_size < 2 or env is None or not dist.is_initialized():
+            return
+        self._trainer, self.progress = trainer, Progress()
+        if self not in trainer.callbacks:
+            trainer.callbacks.insert(0, self)
+        prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
+        store = connect_store(env.main_address, env.main_port, prefix)
+        rank = trainer.global_rank
+        heartbeat = Heartbeat(store, rank, trainer.world_size, self.progress, self._on_beat, self._on_store_error)
+        timeout = math.inf if self.stall_timeout is None else float(self.stall_timeout)
+        self._watch = StallWatch(rank, trainer.world_size, timeout, heartbeat.identity, heartbeat.main_stack,
+                                 self.checkpoint_note)
+        self._heartbeat = heartbeat
+        heartbeat.start()
+
+    def detach(self) -> None:
+        self._stop()
+        trainer, self._trainer = self._trainer, None
+        if trainer is not None and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+
+    def _stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
+        if self._watch is not None:
+            self._watch(records, store)
+
+    def _on_store_error(self, error: Exception) -> None:
+        if self._watch is not None:
+            self._watch.on_store_error(error)
+
+    def checkpoint_note(self) -> str:
+        """The report's line on what to resume from (no checkpoint is written at a stall)."""
+        trainer = self._trainer
+        callback = trainer.checkpoint_callback if trainer is not None else None
+        dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else None
+        files = glob.glob(os.path.join(dirpath, "*.ckpt")) if dirpath else []
+        if not files:
+            return "no checkpoint written at the stall (healthy ranks are blocked in a collective) and none before"
+        newest = max(files, key=os.path.getmtime)
+        step = f" (step {self._saved_step})" if self._saved_step is not None else ""
+        return (f"no checkpoint written at the stall (healthy ranks are blocked in a collective); newest "
+                f"checkpoint: {newest}{step}; resume: --ckpt_path {newest} (or --ckpt_path last)")
+
+    # ------------------------------------------------------------- progress markers
+
+    def _mark(self, trainer: pl.Trainer, stage: str, batch_idx: Optional[int] = None) -> None:
+        where = {"stage": stage, "epoch": trainer.current_epoch}
+        if batch_idx is not None:
+            where["batch"] = batch_idx
+        where["step"] = trainer.global_step
+        self.progress.mark(**where)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._mark(trainer, "train", batch_idx)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._mark(trainer, "train", batch_idx)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.progress.mark(**{**self.progress.where, "optimizer_step": trainer.global_step + 1})
+
+    def _eval_mark(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        stage = "sanity check" if trainer.sanity_checking else trainer.state.stage.value if trainer.state.stage \
+            else "evaluation"
+        self._mark(trainer, stage, batch_idx)
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._saved_step = trainer.global_step
+
+    # ------------------------------------------------------------- exit causes
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        heartbeat = self._heartbeat
+        self._stop()  # this rank is on its way out: its silence is no stall
+        if heartbeat is None:
+            return
+        write_exit_record(heartbeat.store, trainer.global_rank, exception, self.progress.where)
+        if not is_peer_loss(exception) or self._watch is None:
+            return
+        lines = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
+                            heartbeat.identity["host"])
+        for line in lines:
+            exception.add_note(line)
+            log.error("%s", line)
