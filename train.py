@@ -90,7 +90,7 @@ from lit_cifar.cli_errors import check_strategy_config, short_option_errors
 from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
-from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir
+from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
 from strategies import CustomDDPStrategy
 
 quiet_lightning_tips()  # Lightning's "💡 Tip" adverts for litlogger / litmodels, on every run
@@ -223,6 +223,8 @@ class LitCifarCLI(LightningCLI):
         """The logger follows ``default_root_dir``; ``CustomDDPStrategy``'s options are checked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         follow_default_root_dir(config.trainer)
+        if self.subcommand == "fit":  # --ckpt_path=last: the run's newest last.ckpt, or a fresh start
+            resume_last_version(config.trainer, config.get("ckpt_path"))
         # Before jsonargparse builds the strategy: it would bury this error in a report of its Union type.
         check_strategy_config(config.trainer.strategy)
 

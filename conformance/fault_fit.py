@@ -127,6 +127,8 @@ class FaultNet(pl.LightningModule):
         self.events("ckpt_save", epoch=self.current_epoch, step=self.global_step)
         self._saves += 1
         if self._saves == 1 and self.args.ckpt_hold_rank in (None, self.global_rank):
+            if self.args.ckpt_hold_rank is not None:
+                self.events("fault", kind="slow_save", seconds=self.args.ckpt_hold)
             time.sleep(self.args.ckpt_hold)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -67,6 +67,7 @@ from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
 from parallel.zero import ShardedOptimizer
 from strategies.desync import check_desync_option, enable_desync_check, report_desync
+from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
 from strategies.evaluation import ScatteredEvaluation
 from strategies.evaluation_hooks import ScatterEvaluationHooks
 from strategies.layer_sync import CustomSyncBatchNorm
@@ -243,6 +244,14 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         if self._desync_check:
             enable_desync_check()  # before the process group exists: torch wraps it at creation
         super().setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: see strategies.elastic_store
+            self.set_world_ranks()
+            init_attempt_process_group(self._get_process_group_backend(), self.global_rank, self.world_size,
+                                       self._timeout)
+        super().setup_distributed()  # Lightning finds the group initialised and keeps it
 
     def _resolve_layer_sync(self) -> CustomSyncBatchNorm | Any:
         if self._layer_sync is not None and not isinstance(self._layer_sync, TorchSyncBatchNorm):
