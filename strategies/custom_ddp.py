@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
@@ -210,6 +210,10 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
     @property
     def stall_timeout(self) -> Optional[float]:
         return self._watchdog.stall_timeout
+
+    def busy(self, label: str) -> AbstractContextManager[None]:
+        """``with strategy.busy("rank-0 report"):`` a slow phase the stall watch allows 10 x stall_timeout."""
+        return self._watchdog.progress.busy(label)
 
     @property
     def options(self) -> dict[str, Any]:
