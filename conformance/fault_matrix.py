@@ -269,12 +269,12 @@ def _message(out: Path) -> str:
 
 
 def _stall_message(report: list[str]) -> str:
-    """The report's head, the stalled rank's line and its innermost frame (or why it could not answer)."""
+    """The report's head, the stalled rank's line, its innermost frame (or why it could not answer), the checkpoint."""
     keep = [report[0].strip()]
     for i, line in enumerate(report[1:], 1):
         if not line.startswith("  "):
             break
-        if line.startswith("  STALLED") or "no answer" in line:
+        if line.startswith("  STALLED") or "no answer" in line or "checkpoint" in line:
             keep.append(line.strip())
         if line.strip().startswith("File ") and not report[i + 1].strip().startswith("File "):
             keep.append("innermost: " + line.strip())

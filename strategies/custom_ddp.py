@@ -366,6 +366,12 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         super().on_exception(exception)
 
     @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._watchdog.ending:  # the last checkpoint of a stalled or failed job: no peer left to meet
+            return
+        super().barrier(name)
+
+    @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._evaluation.in_step:
             # ``self.log(..., on_step=True, sync_dist=True)`` syncs inside the step, but ranks run

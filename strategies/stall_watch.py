@@ -112,12 +112,14 @@ def _write(text: str) -> None:
 class StallWatch:
     """The ``watch`` of a :class:`~strategies.heartbeat.Heartbeat`: judge, agree on a verdict, report, end.
 
-    ``main_stack()`` gives this rank's main-thread stack; ``checkpoint_note()`` a line on the newest
-    checkpoint for the report; ``exit_status`` is what every rank ends with.
+    ``main_stack()`` gives this rank's main-thread stack; ``checkpoint_note(own record or None)``
+    writes the last checkpoint where it can (the reporter, before any stalled rank is killed: its
+    main thread still waits in its collective) and returns the report's line on what to resume from.
     """
 
     def __init__(self, rank: int, world_size: int, stall_timeout: float, identity: dict[str, Any],
-                 main_stack: Callable[[], str], checkpoint_note: Callable[[], str],
+                 main_stack: Callable[[], str],
+                 checkpoint_note: Callable[[Optional[dict[str, Any]]], str],
                  exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank, self.world_size, self.stall_timeout = rank, world_size, stall_timeout
         self._identity, self._main_stack, self._checkpoint_note = identity, main_stack, checkpoint_note
@@ -162,8 +164,9 @@ class StallWatch:
             store.set(f"stack/{self.rank}", self._main_stack())
         if self.rank == reporter:
             stacks = self._collect_stacks(store, stalled)
+            note = self._checkpoint_note(records[self.rank])
             killed = self._kill_silent(stalled, records, stacks)
-            _write(self.report(verdict, records, stacks, killed))
+            _write(self.report(verdict, records, stacks, killed, note))
             store.set("reported", str(self.rank))
         else:
             self._wait(store, "reported", REPORT_WAIT_S)
@@ -203,7 +206,7 @@ class StallWatch:
         return killed
 
     def report(self, verdict: dict[str, Any], records: list[Optional[dict[str, Any]]], stacks: dict[int, str],
-               killed: list[int]) -> str:
+               killed: list[int], checkpoint_note: str) -> str:
         """The one report rank 0 (the lowest healthy rank) prints."""
         stalled = verdict["ranks"]
         names = ", ".join(map(str, stalled))
@@ -220,7 +223,7 @@ class StallWatch:
             else:
                 what = "killed" if rank in killed else "left to its launcher (another machine)"
                 lines.append(f"  rank {rank}: no answer: process stopped or frozen ({what})")
-        lines.append(f"  {self._checkpoint_note()}")
+        lines.append(f"  {checkpoint_note}")
         return "\n".join(lines)
 
     def on_store_error(self, error: Exception) -> None:
@@ -238,5 +241,5 @@ class StallWatch:
         _write(f"custom_ddp stall: rank {self.rank}: the job's store has not answered for "
                f"{now - self._store_failing_since:.0f} s ({type(error).__name__}): its host (rank 0 under Lightning's "
                f"launcher, torchrun's agent otherwise) is stopped, frozen or gone (rank 0 process state: {state}"
-               f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {self._checkpoint_note()}")
+               f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {self._checkpoint_note(None)}")
         self._exit(STALL_EXIT_STATUS)

@@ -25,10 +25,12 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Heartbeat, Progress, connect_store
+from strategies.preemption import stop_checkpoint_path
 from strategies.stall_watch import StallWatch
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "Watchdog", "check_stall_timeout"]
@@ -61,6 +63,8 @@ class Watchdog(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._stages = 0
         self._saved_step: Optional[int] = None
+        self._updating = False  # between on_before_optimizer_step and the batch end: weights half updated
+        self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
 
     # ------------------------------------------------------------- strategy side
 
@@ -70,7 +74,7 @@ class Watchdog(Callback):
         env = trainer.strategy.cluster_environment
         if trainer.world_size < 2 or env is None or not dist.is_initialized():
             return
-        self._trainer, self.progress = trainer, Progress()
+        self._trainer, self.progress, self.ending, self._updating = trainer, Progress(), False, False
         if self not in trainer.callbacks:
             trainer.callbacks.insert(0, self)
         prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
@@ -102,18 +106,61 @@ class Watchdog(Callback):
         if self._watch is not None:
             self._watch.on_store_error(error)
 
-    def checkpoint_note(self) -> str:
-        """The report's line on what to resume from (no checkpoint is written at a stall)."""
+    def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None) -> str:
+        """Write the last checkpoint if this rank can (see :meth:`save_last`); the report's line on what to resume."""
         trainer = self._trainer
-        callback = trainer.checkpoint_callback if trainer is not None else None
+        if trainer is None:
+            return "no checkpoint: the stage is over"
+        # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
+        waiting = own_record is not None and own_record.get("collective") and not own_record.get("busy")
+        return self.save_last(trainer) if waiting else self._newest_note(trainer, "this rank's main thread is not "
+                                                                                   "parked in a collective")
+
+    def save_last(self, trainer: pl.Trainer) -> str:
+        """On a stall or a peer's failure: rank 0 writes the checkpoint of the last completed optimizer step.
+
+        Only when the state is the same on every rank: fitting, outside the optimizer update (between
+        ``on_before_optimizer_step`` and the batch end the update may be half done), without ZeRO-1
+        (the optimizer state's shards on a dead rank cannot be consolidated). The save's barrier is
+        skipped (:attr:`ending`): there is no peer left to meet. Otherwise the note names the newest
+        periodic checkpoint.
+        """
+        why = self._cannot_save(trainer)
+        if why:
+            return self._newest_note(trainer, why)
+        path = stop_checkpoint_path(trainer)
+        self.ending = True
+        try:
+            if os.path.islink(path):
+                os.remove(path)  # save_last="link": write a file, not through the link
+            trainer.save_checkpoint(path)
+        except Exception as error:  # noqa: BLE001 - the job ends either way; say what happened
+            return self._newest_note(trainer, f"writing {path} failed: {type(error).__name__}: {error}")
+        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by rank 0: {path} "
+                f"(resume: --ckpt_path {path} or --ckpt_path last)")
+
+    def _cannot_save(self, trainer: pl.Trainer) -> Optional[str]:
+        if not trainer.is_global_zero:
+            return "only rank 0 writes checkpoints and it is not among the healthy ranks"
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
+        if getattr(trainer.strategy, "zero1", False):
+            return "zero1: part of the optimizer state is sharded on the stalled or failed rank"
+        if self._updating:
+            return "the fault came inside an optimizer update: the weights may differ between ranks"
+        if self._saved_step == trainer.global_step:
+            return "the newest checkpoint already holds this step"
+        return None
+
+    def _newest_note(self, trainer: pl.Trainer, why: str) -> str:
+        callback = trainer.checkpoint_callback
         dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else None
         files = glob.glob(os.path.join(dirpath, "*.ckpt")) if dirpath else []
         if not files:
-            return "no checkpoint written at the stall (healthy ranks are blocked in a collective) and none before"
+            return f"no checkpoint written ({why}) and none before"
         newest = max(files, key=os.path.getmtime)
         step = f" (step {self._saved_step})" if self._saved_step is not None else ""
-        return (f"no checkpoint written at the stall (healthy ranks are blocked in a collective); newest "
-                f"checkpoint: {newest}{step}; resume: --ckpt_path {newest} (or --ckpt_path last)")
+        return f"no checkpoint written ({why}); newest checkpoint: {newest}{step}; resume: --ckpt_path {newest}"
 
     # ------------------------------------------------------------- progress markers
 
@@ -132,10 +179,12 @@ class Watchdog(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._updating = False
         self._mark(trainer, "train", batch_idx)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._updating = True
         self.progress.mark(**{**self.progress.where, "optimizer_step": trainer.global_step + 1})
 
     def _eval_mark(self, trainer: pl.Trainer, batch_idx: int) -> None:
@@ -191,6 +240,8 @@ class Watchdog(Callback):
             return
         lines = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
                             heartbeat.identity["host"])
+        if trainer.is_global_zero:
+            lines.append(f"custom_ddp: {self.save_last(trainer)}")
         for line in lines:
             exception.add_note(line)
             log.error("%s", line)

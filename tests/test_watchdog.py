@@ -13,17 +13,19 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 from jsonargparse import Namespace
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_cifar.run_dir import resume_last_version
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Progress, connect_store, main_thread_state, stack_text
 from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
-from strategies.watchdog import DEFAULT_STALL_TIMEOUT_S
+from strategies.watchdog import DEFAULT_STALL_TIMEOUT_S, Watchdog
 
 STALL = 20.0
 
@@ -101,7 +103,7 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
     stores = [connect_store("127.0.0.1", store_host.port, "job/") for _ in range(2)]
     clock = [0.0]
     watches = [StallWatch(rank, 2, STALL, {"rank": rank, "pid": 10 + rank, "host": "other"}, lambda: "  File x",
-                          lambda: "newest checkpoint: none", exit=exits.append, clock=lambda: clock[0])
+                          lambda record: "newest checkpoint: none", exit=exits.append, clock=lambda: clock[0])
                for rank in range(2)]
     records = [_record(0, collective="all_gather(float32[17]) from SyncBN forward"), _record(1)]
     for watch, store in zip(watches, stores):
@@ -157,3 +159,18 @@ def test_ckpt_path_last_pins_the_version_with_the_newest_last_checkpoint(tmp_pat
     config = trainer()
     assert resume_last_version(config, "last") == "version_1" and config.logger.init_args.version == "version_1"
     assert resume_last_version(trainer(), None) is None
+
+
+def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() -> None:
+    def trainer(**changes) -> SimpleNamespace:
+        fields = {"is_global_zero": True, "state": SimpleNamespace(fn=TrainerFn.FITTING), "sanity_checking": False,
+                  "strategy": SimpleNamespace(zero1=False), "global_step": 15}
+        return SimpleNamespace(**{**fields, **changes})
+
+    watchdog = Watchdog(STALL)
+    assert watchdog._cannot_save(trainer()) is None
+    assert "only rank 0" in watchdog._cannot_save(trainer(is_global_zero=False))
+    assert "zero1" in watchdog._cannot_save(trainer(strategy=SimpleNamespace(zero1=True)))
+    assert "validate" in watchdog._cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
+    watchdog._updating = True
+    assert "inside an optimizer update" in watchdog._cannot_save(trainer())
