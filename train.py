@@ -46,7 +46,14 @@ every process after the same optimizer step; rank 0 prints the checkpoint it wro
 last.ckpt) and the exit status is 128 + the signal number (SIGTERM: 143). Resume from it:
     python train.py fit --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
 A collective only some processes issue waits for the timeout; with --trainer.strategy.desync_check=true it is
-an error naming both sides instead (README, "Stopping safely").
+an error naming both sides instead (README, "Stopping safely"). A process that stops making progress (stopped,
+looping, a blocked DataLoader) ends every process after --trainer.strategy.stall_timeout seconds (default 300)
+with exit status 75 and one report from rank 0 naming it.
+
+Restarts that resume: --ckpt_path=last resumes from the run's newest last.ckpt and starts fresh when there is
+none yet, so one command serves the first run and every restart of torch elastic (or a SLURM requeue, README):
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 train.py fit --config configs/quickstart.yaml \
+        --ckpt_path=last
 
 The assignment's template net (batch 32, 2 processes, gradient accumulation 2, 20 epochs):
     python train.py fit --config configs/cifar100_template_net.yaml

@@ -338,7 +338,8 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
               if e["event"] == "train_batch" and e["rank"] == row.rank and e["t"] <= run.fault_at]
     last = out / "checkpoints" / "last.ckpt"
     exited = round(max(e["t"] for e in exits.values()) - run.fault_at, 2) if len(exits) == len(run.pids) else None
-    after = None if row.max_restarts is not None else _checkpoint_step(last, run.fault_at)
+    # The slow-save row's last.ckpt after its "fault" is the fit's own end-of-run checkpoint: no stop's.
+    after = None if row.max_restarts is not None or row.fault == "slow_save" else _checkpoint_step(last, run.fault_at)
     result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
                     status, _message(out), after, max(before) if before else None, hung=run.killed)
     result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]

@@ -42,8 +42,10 @@ def _seconds(value: Optional[float], hung: bool = False) -> str:
 
 
 def _resume(row: dict[str, Any], final_step: int) -> str:
+    if row.get("resume_status") is None and row.get("resumed_to_step") is not None:
+        return f"no stop: the fit went on to step {row['resumed_to_step']}"
     if row["checkpoint_step"] is None and row.get("resume_status") is None:
-        return "–" if row.get("resumed_to_step") is None else f"no stop: the fit went on to step {row['resumed_to_step']}"
+        return "–"
     ok = row["resume_status"] == 0 and row["resumed_to_step"] == final_step
     return f"{'yes' if ok else '**NO**'} (exit {row['resume_status']}, step {row['resumed_to_step']})"
 
@@ -53,6 +55,8 @@ def _lost(row: dict[str, Any]) -> str:
 
 
 def _same(row: dict[str, Any]) -> str:
+    if row.get("same_weights") is False and row.get("steps_lost") == 0:
+        return "no: resumed mid-epoch (the DataLoader restarts the epoch)"
     return {None: "–", True: "yes (bitwise)", False: "**NO**"}[row.get("same_weights")]
 
 

@@ -78,7 +78,8 @@ def _silent_peer(rank: int, record: Optional[dict[str, Any]], host: str) -> Opti
     state = process_state(record["pid"]) if record.get("host") == host else "?"
     if state in ("gone", "Z"):
         return (f"custom_ddp: rank {rank} (pid {record['pid']}) ended without a word: killed by a signal it cannot "
-                f"catch (SIGKILL, the OOM killer) or a hard crash; last seen at {describe_where(record)}")
+                f"catch (SIGKILL, the OOM killer) or a hard crash; its last heartbeat (at most 1 s before) showed "
+                f"{describe_where(record)}")
     return None
 
 

@@ -216,7 +216,9 @@ class StallWatch:
             silent = f", no progress for {verdict['silent_s'][str(rank)]:.1f} s" if str(rank) in verdict["silent_s"] \
                 else ""
             tag = "STALLED " if rank in stalled else ""
-            lines.append(f"  {tag}rank {rank} (pid {record['pid'] if record else '?'}): {describe_where(record)}{silent}")
+            last = "last heartbeat: " if rank in stalled and f"rank {rank}: no heartbeat" in verdict["why"] else ""
+            lines.append(f"  {tag}rank {rank} (pid {record['pid'] if record else '?'}): {last}{describe_where(record)}"
+                         f"{silent}")
         for rank in stalled:
             if rank in stacks:
                 lines.append(f"  rank {rank} main thread (innermost last):\n{stacks[rank]}")

@@ -78,7 +78,12 @@ class Watchdog(Callback):
         if self not in trainer.callbacks:
             trainer.callbacks.insert(0, self)
         prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
-        store = connect_store(env.main_address, env.main_port, prefix)
+        try:
+            store = connect_store(env.main_address, env.main_port, prefix)
+        except (RuntimeError, OSError, ValueError) as error:  # e.g. a process group the user made on a file:// store
+            log.warning("custom_ddp: no stall watch and no exit causes: cannot reach the job's TCP store at %s:%s (%s)",
+                        env.main_address, env.main_port, error)
+            return
         rank = trainer.global_rank
         heartbeat = Heartbeat(store, rank, trainer.world_size, self.progress, self._on_beat, self._on_store_error)
         timeout = math.inf if self.stall_timeout is None else float(self.stall_timeout)
