@@ -26,100 +26,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from conformance import fault_matrix_report
+from conformance.fault_messages import rank0_message
+from conformance.fault_rows import (DEADLINE_S, EPOCHS, FAULT_BATCH, FAULT_EPOCH, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S,
+                                    STEPS_PER_EPOCH, Result, Row)
 from callbacks.run_info import environment
 from collectives.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
 README = REPO_ROOT / "README.md"
-STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
-DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
-HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
-STALL_S = 20.0  # stall_timeout of the stall rows
-
-
-@dataclass(frozen=True)
-class Row:
-    """One fault: what, which rank, when (see the module docstring)."""
-
-    name: str
-    label: str
-    fault: str  # SIGTERM | SIGKILL | SIGSTOP | exception | rank_collective | loop | block_loader | slow_save
-    rank: int
-    phase: str  # train | val | ckpt
-    desync_check: bool = False
-    timeout_s: float = 30.0
-    stall_timeout_s: Optional[float] = None  # None: the strategy's default
-    max_restarts: Optional[int] = None  # run under torchrun --max-restarts=N with --ckpt_path last
-
-    @property
-    def is_signal(self) -> bool:
-        return self.fault.startswith("SIG")
-
-
-ROWS = (
-    Row("sigterm_rank0_train", "SIGTERM to rank 0 during training", "SIGTERM", 0, "train"),
-    Row("sigterm_rank1_train", "SIGTERM to rank 1 during training", "SIGTERM", 1, "train"),
-    Row("sigterm_rank0_val", "SIGTERM to rank 0 during validation", "SIGTERM", 0, "val"),
-    Row("sigterm_rank1_val", "SIGTERM to rank 1 during validation", "SIGTERM", 1, "val"),
-    Row("sigterm_rank0_ckpt", "SIGTERM to rank 0 during a checkpoint save", "SIGTERM", 0, "ckpt"),
-    Row("sigterm_rank1_ckpt", "SIGTERM to rank 1 during a checkpoint save", "SIGTERM", 1, "ckpt"),
-    Row("sigkill_rank0_train", "SIGKILL of rank 0 during training", "SIGKILL", 0, "train"),
-    Row("sigkill_rank1_train", "SIGKILL of rank 1 during training", "SIGKILL", 1, "train"),
-    Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
-    Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
-        desync_check=True),
-    Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
-        0, "train", timeout_s=10.0),
-    Row("sigstop_rank1_train", "SIGSTOP of rank 1 during training (stall_timeout 20 s)", "SIGSTOP", 1, "train",
-        stall_timeout_s=STALL_S),
-    Row("loop_rank1_train", "endless loop on rank 1 in training_step (stall_timeout 20 s)", "loop", 1, "train",
-        stall_timeout_s=STALL_S),
-    Row("block_loader_rank1", "DataLoader blocks on rank 1 (stall_timeout 20 s)", "block_loader", 1, "train",
-        stall_timeout_s=STALL_S),
-    Row("slow_save_rank0", "checkpoint save on rank 0 takes 2 x stall_timeout (20 s): must not fire", "slow_save", 0,
-        "ckpt", stall_timeout_s=STALL_S, timeout_s=120.0),  # a 40 s save outlasts the 30 s collective timeout
-    Row("sigkill_rank1_restart", "SIGKILL of rank 1 under torchrun --max-restarts=1", "SIGKILL", 1, "train",
-        max_restarts=1),
-    Row("exception_rank1_restart", "exception on rank 1 under torchrun --max-restarts=1", "exception", 1, "train",
-        max_restarts=1),
-)
-ROWS_BY_NAME = {row.name: row for row in ROWS}
-FAULT_EPOCH, FAULT_BATCH = 1, 3  # mid-epoch 1: epoch 0's checkpoint exists, the fault's must be newer
-
-
-@dataclass
-class Result:
-    """What a row measured (times in seconds; statuses as a shell shows them: 128 + signal if killed)."""
-
-    row: str
-    label: str
-    seconds_to_all_gone: Optional[float]
-    seconds_to_exit: Optional[float]  # to the last rank's exit event (Python's exit path begins; None if killed)
-    status: dict[int, Optional[int]]
-    message: str
-    checkpoint_step: Optional[int]
-    step_at_fault: Optional[int]
-    resumed_to_step: Optional[int] = None
-    resume_status: Optional[int] = None
-    steps_lost: Optional[int] = None
-    same_weights: Optional[bool] = None  # final weights bitwise equal to an uninterrupted run's (restart rows)
-    hung: bool = False
-    notes: list[str] = field(default_factory=list)
-
 
 def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None) -> list[str]:
     fit = ["-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
@@ -244,43 +171,6 @@ def _kill_quietly(pid: int) -> None:
             pass
 
 
-_ERROR_LINE = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[\w.]+)(?:Error|Exception)\b.*)$")
-
-
-def _message(out: Path) -> str:
-    """Rank 0's stop or desync message; otherwise each rank's last error line, shortened."""
-    lines = (out / "output.log").read_text(errors="replace").replace(f"{out}/", "").splitlines()
-    stall = next((i for i, line in enumerate(lines) if line.startswith("custom_ddp stall:")), None)
-    if stall is not None:
-        return _stall_message(lines[stall:])
-    ours = [line.strip() for line in lines if (line.startswith("custom_ddp") and " received " not in line)]
-    if any("desync check" in line for line in ours):  # rank 0's message: the header and one line per rank
-        start = next(i for i, line in enumerate(lines)
-                     if "desync check" in line and "rank 0" in "".join(lines[i:i + 4]))
-        ours = [line.strip() for line in lines[start:start + 3]]
-    if ours:
-        return " / ".join(dict.fromkeys(ours))
-    errors: dict[str, str] = {}
-    for line in lines:
-        match = _ERROR_LINE.match(line)
-        if match:
-            errors[match.group(1) or "?"] = match.group(2)
-    return " / ".join(f"rank {rank}: {text[:160]}" for rank, text in sorted(errors.items()))
-
-
-def _stall_message(report: list[str]) -> str:
-    """The report's head, the stalled rank's line, its innermost frame (or why it could not answer), the checkpoint."""
-    keep = [report[0].strip()]
-    for i, line in enumerate(report[1:], 1):
-        if not line.startswith("  "):
-            break
-        if line.startswith("  STALLED") or "no answer" in line or "checkpoint" in line:
-            keep.append(line.strip())
-        if line.strip().startswith("File ") and not report[i + 1].strip().startswith("File "):
-            keep.append("innermost: " + line.strip())
-    return " / ".join(keep)
-
-
 def _checkpoint_step(path: Path, after: float) -> Optional[int]:
     if not path.exists() or path.stat().st_mtime < after:
         return None
@@ -341,7 +231,7 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
     # The slow-save row's last.ckpt after its "fault" is the fit's own end-of-run checkpoint: no stop's.
     after = None if row.max_restarts is not None or row.fault == "slow_save" else _checkpoint_step(last, run.fault_at)
     result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
-                    status, _message(out), after, max(before) if before else None, hung=run.killed)
+                    status, rank0_message(out), after, max(before) if before else None, hung=run.killed)
     result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]
     if row.max_restarts is not None:
         _restart_outcome(result, events, run)

@@ -60,14 +60,24 @@ def write_exit_record(store: dist.Store, rank: int, error: BaseException, where:
         pass
 
 
-def _read_records(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any]]:
-    """Peers' exit records, waiting up to ``wait_s`` for at least one that is not itself a peer loss."""
+def _may_still_write(heartbeat: Optional[dict[str, Any]], host: str) -> bool:
+    """Whether a peer without a record may yet write one: not known gone from this machine's /proc."""
+    return heartbeat is None or heartbeat.get("host") != host or process_state(heartbeat["pid"]) not in ("gone", "Z")
+
+
+def _read_records(store: dist.Store, heartbeats: list[Optional[dict[str, Any]]], rank: int, host: str,
+                  wait_s: float) -> dict[int, dict[str, Any]]:
+    """Peers' exit records, waiting up to ``wait_s`` for one that is not itself a peer loss while a peer
+    without a record may still write one (no wait for a peer already gone: SIGKILL leaves no record).
+    Every moment counts: Lightning's popen launcher SIGKILLs all ranks within 5 s of a child's failure."""
+    peers = [peer for peer in range(len(heartbeats)) if peer != rank]
     deadline, found = time.monotonic() + wait_s, {}
     while True:
-        for rank in ranks:
-            if rank not in found and store.check([f"exit/{rank}"]):
-                found[rank] = json.loads(store.get(f"exit/{rank}"))
-        if any(not record["peer_loss"] for record in found.values()) or time.monotonic() >= deadline:
+        for peer in peers:
+            if peer not in found and store.check([f"exit/{peer}"]):
+                found[peer] = json.loads(store.get(f"exit/{peer}"))
+        waiting = [peer for peer in peers if peer not in found and _may_still_write(heartbeats[peer], host)]
+        if any(not record["peer_loss"] for record in found.values()) or not waiting or time.monotonic() >= deadline:
             return found
         time.sleep(0.1)
 
@@ -88,7 +98,7 @@ def peer_causes(store: Optional[dist.Store], rank: int, heartbeats: list[Optiona
     """One line per peer that ended first (its record), or left without one (its last heartbeat)."""
     peers = [peer for peer in range(len(heartbeats)) if peer != rank]
     try:
-        records = _read_records(store, peers, wait_s) if store is not None else {}
+        records = _read_records(store, heartbeats, rank, host, wait_s) if store is not None else {}
     except Exception:  # noqa: BLE001 - the store's host (rank 0 under Lightning's launcher) is gone
         return ["custom_ddp: the job's store is gone with its host (rank 0 under Lightning's launcher): rank 0 "
                 "ended first; its cause is in its own output"]

@@ -17,6 +17,7 @@ A callback the strategy adds in ``setup`` and removes in ``teardown`` (like
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import math
 import os
@@ -93,7 +94,7 @@ class Watchdog(Callback):
         heartbeat.start()
 
     def detach(self) -> None:
-        self._stop()
+        self._disconnect()
         trainer, self._trainer = self._trainer, None
         if trainer is not None and self in trainer.callbacks:
             trainer.callbacks.remove(self)
@@ -101,7 +102,15 @@ class Watchdog(Callback):
     def _stop(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
+            self._heartbeat.join(timeout=1.0)  # a store call to a dead host would take STORE_OP_S
             self._heartbeat = None
+
+    def _disconnect(self) -> None:
+        # Drop every reference to this rank's store client: its socket closes now. Left open until
+        # interpreter exit, rank 0's store server (under Lightning's launchers) waits ~2 s at exit for
+        # the peers' heartbeat connections while those peers wait for rank 0 to exit first.
+        self._stop()
+        self._watch = None
 
     def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
         if self._watch is not None:
@@ -166,6 +175,31 @@ class Watchdog(Callback):
         newest = max(files, key=os.path.getmtime)
         step = f" (step {self._saved_step})" if self._saved_step is not None else ""
         return f"no checkpoint written ({why}); newest checkpoint: {newest}{step}; resume: --ckpt_path {newest}"
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and trainer.is_global_zero and self._heartbeat is not None:
+            log.warning("custom_ddp: %s", self._restart_line(trainer, restart))
+
+    def _restart_line(self, trainer: pl.Trainer, restart: int) -> str:
+        """Steps re-done by this torchrun restart: the failed attempt's furthest step (its records in the
+        agent's store, which outlives the workers) minus the step this attempt resumed at."""
+        env = trainer.strategy.cluster_environment
+        reached = []
+        try:
+            previous = connect_store(env.main_address, env.main_port, f"custom_ddp/{restart - 1}/{self._stages}/")
+            for key in [f"{kind}/{rank}" for kind in ("hb", "exit") for rank in range(trainer.world_size)]:
+                if previous.check([key]):
+                    reached.append(json.loads(previous.get(key))["where"].get("step"))
+        except (RuntimeError, OSError, ValueError, KeyError):
+            pass
+        steps = [step for step in reached if isinstance(step, int)]
+        head = f"torchrun restart {restart}: resumed at optimizer step {trainer.global_step}"
+        if not steps:
+            return f"{head} (the failed attempt's progress is unknown)"
+        lost = max(0, max(steps) - trainer.global_step)
+        return f"{head}; the failed attempt had reached step {max(steps)}: {lost} step(s) re-done"
 
     # ------------------------------------------------------------- progress markers
 
