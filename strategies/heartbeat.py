@@ -155,7 +155,8 @@ class Heartbeat(threading.Thread):
         while not self._stopped.wait(BEAT_S):
             try:
                 self.store.set(keys[self.rank], json.dumps(self.record()))
-                present = [key for key in keys if self.store.check([key])]
+                # One round trip per beat once every rank has reported (check() is all-or-nothing).
+                present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
                 values = dict(zip(present, self.store.multi_get(present))) if present else {}
                 records = [json.loads(values[key]) if key in values else None for key in keys]
             except Exception as error:  # noqa: BLE001 - any store failure is reported, never raised here
