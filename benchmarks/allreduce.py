@@ -37,7 +37,7 @@ from benchmarks.harness import (
     aligned_seconds, fmt_bytes, fmt_value, headline_row, make_record, measure_peak, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, wait_for_quiet, write_record)
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 
 MiB = 1 << 20
 CONFIG_LIMIT_S = 300.0  # the assignment's per-configuration limit

@@ -126,7 +126,7 @@ def _tables(record: dict[str, Any]) -> list[str]:
                              [[k, fmt_value(e)] for k, e in row["ratios"].items()]), "",
                       f"SyncBN share of the custom_ddp step: {fmt_value(row.get('syncbn_share'), '%')}.", ""]
     lines += [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
-              "Counted by the profiler on rank 0 (`callbacks.collective_count`), the last of 3 steps; bytes are this "
+              "Counted by the profiler on rank 0 (`measure.collective_count`), the last of 3 steps; bytes are this "
               "rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every strategy.", ""]
     for net, runs in collectives["nets"].items():
         sources = sorted({s for run in runs.values() for s in run["counts"]})

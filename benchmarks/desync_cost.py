@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import harness  # statistics and the record; only main() and the workers use it
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm

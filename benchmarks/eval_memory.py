@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers custom_ddp)
 from benchmarks.harness import fmt_bytes, headline_row, make_record, parse, parser, report, wait_for_quiet, write_record
-from callbacks.memory import PeakMemory
+from measure.memory import PeakMemory
 from strategies.custom_ddp import CustomDDPStrategy
 
 TITLE = "Peak RSS growth while validating under custom_ddp (2 CPU ranks)"

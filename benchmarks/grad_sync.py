@@ -32,9 +32,9 @@ from torch import nn
 from benchmarks.harness import (
     difference_ci, fmt_bytes, fmt_value, headline_row, interleave, make_record, measure_peak, median_ci, parse,
     parser, plot_estimates, ratio_ci, report, share_ci, slowest_rank, table, wait_for_quiet, write_record)
-from callbacks.collective_count import Window, count_collectives
-from callbacks.memory import return_freed_memory_above
-from collectives.launcher import run_workers
+from measure.collective_count import Window, count_collectives
+from measure.memory import return_freed_memory_above
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
 

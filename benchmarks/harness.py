@@ -8,7 +8,7 @@
     write_record(args.out, record, report(record, "Demo", body))  # results.json + results.md, report on stdout
 
 Intervals, quietness, peak memory and barrier-aligned times come from the Lightning-free
-measurement modules the callbacks use too (:mod:`callbacks.stats`, ``run_info``, ``memory``,
+measurement modules the callbacks use too (:mod:`measure.stats`, ``run_info``, ``memory``,
 ``timing``). Records keep times in **seconds**, memory in **bytes**, estimates as ``{"value", "low",
 "high", "n"}``, verdicts as values and each run's intra-op threads. Each benchmark derives analysis,
 ``headline(record)`` and report in ONE module, its own ``benchmarks/<name>.py``. ``--quick``
@@ -28,10 +28,10 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
-from callbacks.memory import measure_peak
-from callbacks.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from callbacks.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
-from callbacks.timing import aligned_seconds, slowest_rank
+from measure.memory import measure_peak
+from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
+from measure.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
+from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "fmt_bytes", "fmt_value",
            "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",

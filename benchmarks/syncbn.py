@@ -31,8 +31,8 @@ from torch import nn
 from benchmarks.harness import (
     fmt_bytes, fmt_value, headline_row, make_record, measure_peak, median_ci, parse, parser, plot_estimates, ratio_ci,
     report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
-from callbacks.memory import return_freed_memory_above
-from collectives.launcher import run_workers
+from measure.memory import return_freed_memory_above
+from benchmarks.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]

@@ -1,4 +1,4 @@
-"""Observation-only Lightning callbacks, and the Lightning-free measurements they take.
+"""Observation-only Lightning callbacks.
 
 ``BenchmarkMonitor`` measures per-rank training time and peak memory, gathers them once per epoch
 and writes ``benchmark.json`` into the run directory; see :mod:`callbacks.benchmark`.
@@ -9,10 +9,9 @@ rank) into the run directory; see :mod:`callbacks.prediction_writer`.
 ``RunHparams`` writes each run's hyperparameters (strategy and its options, world size, data used)
 as TensorBoard HPARAMS; see :mod:`callbacks.run_hparams`.
 
-The measurement modules (:mod:`~callbacks.timing`, :mod:`~callbacks.memory`, :mod:`~callbacks.stats`,
-:mod:`~callbacks.run_info`, :mod:`~callbacks.collective_count`) never import Lightning, and this
-package's ``__init__`` imports nothing: the callbacks above load (with Lightning) on first access,
-so ``import callbacks.stats`` stays Lightning-free (the benchmarks rely on it).
+The measurements they take live in :mod:`measure` (Lightning-free, shared with the benchmarks).
+This package's ``__init__`` imports nothing: the callbacks above load (with Lightning) on first
+access.
 """
 
 from __future__ import annotations

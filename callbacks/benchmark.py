@@ -7,7 +7,7 @@ Works with any strategy (``ddp``, ``custom_ddp``, single device) and from YAML::
         - class_path: callbacks.BenchmarkMonitor
           init_args: {warmup_steps: 3}
 
-Every rank measures itself (see :mod:`callbacks.timing` and :mod:`callbacks.memory` for what each
+Every rank measures itself (see :mod:`measure.timing` and :mod:`measure.memory` for what each
 number covers); nothing is communicated while an epoch trains. At each epoch end the per-rank
 summaries travel in ONE ``all_gather`` of a small float64 vector, rank 0 logs the cross-rank view
 to every logger under ``prefix`` (TensorBoard: ``bench/step_time_s``, ...), and at the end of
@@ -32,10 +32,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from callbacks.memory import CpuMethod, PeakMemory
-from callbacks.run_info import environment, strategy_options, to_jsonable
-from callbacks.stats import summarize
-from callbacks.timing import EpochTiming, StepTimer
+from measure.memory import CpuMethod, PeakMemory
+from measure.run_info import environment, strategy_options, to_jsonable
+from measure.stats import summarize
+from measure.timing import EpochTiming, StepTimer
 
 __all__ = ["BenchmarkMonitor", "SCHEMA"]
 
@@ -56,7 +56,7 @@ class BenchmarkMonitor(Callback):
         prefix: Prefix of the logged metric names.
         filename: Name of the JSON file written into the trainer's log directory.
         memory_method: CPU peak-memory method, ``"auto"``, ``"kernel"`` or ``"sample"``
-            (see :class:`callbacks.memory.PeakMemory`).
+            (see :class:`measure.memory.PeakMemory`).
         sample_interval_s: RSS sampling period of the ``"sample"`` method.
         config: Extra description of the run (e.g. the comparison's settings), stored verbatim
             in the JSON.

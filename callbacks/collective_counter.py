@@ -1,5 +1,5 @@
 """``CollectiveCounter``: a Lightning callback that records the collectives of every training
-micro-batch window, attributed to their source by :mod:`callbacks.collective_count` (the rules and
+micro-batch window, attributed to their source by :mod:`measure.collective_count` (the rules and
 the window boundaries are described there)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch.profiler import profile, record_function
 
-from callbacks.collective_count import MARKER, Window, classify, profiler
+from measure.collective_count import MARKER, Window, classify, profiler
 
 __all__ = ["CollectiveCounter"]
 

@@ -13,7 +13,7 @@ actually used, the strategy with its options, the world size)::
 ``train.py`` adds it to every fit / validate / test unless the config has one. The recorded
 hyperparameters (:func:`run_hparams`): the module's and datamodule's (``dataset_used``
 included), ``strategy`` (its registered name: ``custom_ddp``, ``ddp``, ``single_device``) and
-its options as ``strategy/<option>`` (:func:`callbacks.run_info.strategy_options`: custom_ddp's
+its options as ``strategy/<option>`` (:func:`measure.run_info.strategy_options`: custom_ddp's
 ``sync_mode``, ``bucket_cap_mb``, ..., ddp's ``_ddp_kwargs``, backend, start method),
 ``world_size``, ``num_nodes``, ``devices``, ``accumulate_grad_batches``, ``precision``,
 ``global_batch_size``, ``max_epochs``, ``seed`` and ``stage``. Nested values are flattened to
@@ -44,7 +44,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from callbacks.run_info import strategy_options
+from measure.run_info import strategy_options
 
 __all__ = ["RunHparams", "flatten_hparams", "run_hparams", "strategy_name"]
 

@@ -41,8 +41,8 @@ from conformance import fault_matrix_report
 from conformance.fault_messages import rank0_message
 from conformance.fault_rows import (DEADLINE_S, EPOCHS, FAULT_BATCH, FAULT_EPOCH, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S,
                                     STEPS_PER_EPOCH, Result, Row)
-from callbacks.run_info import environment
-from collectives.launcher import without_launch_variables
+from measure.run_info import environment
+from benchmarks.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"

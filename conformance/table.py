@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from conformance.patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
                                  VariableWidthGather)
-from callbacks.run_info import environment
+from measure.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

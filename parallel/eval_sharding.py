@@ -16,6 +16,11 @@ instead. Here the source rank alone decides the shards, and only *indices* trave
 The ``strided_padded`` layout is ``DistributedSampler``'s (strided, padded with repeats to equal
 lengths), for callers that must fall back to equal batch counts on every rank.
 
+A :class:`ShardPlan` holds the whole decision for one loader, made once from numbers every rank
+knows (the broadcast count, the batch size, Lightning's ``limit_*_batches``): the layout (every
+rank must run at least one batch or none does, else ``strided_padded``), each rank's shard length
+and batch count.
+
 Collectives: one broadcast of the count plus one scatter of indices, called by every rank of
 the group in the same order. Pure torch; no Lightning import.
 
@@ -23,15 +28,16 @@ Example (on every rank; every rank's ``dataset`` yields the same sample for the 
 
     order = list(range(len(dataset))) if dist.get_rank() == 0 else None
     count = broadcast_count(None if order is None else len(order))
-    lengths = shard_lengths(count, dist.get_world_size())
-    shards = None if order is None else make_shards(order, len(lengths))
-    indices = scatter_shard_indices(shards, lengths)
+    plan = ShardPlan.decide(count, dist.get_world_size(), batch_size=256)
+    indices = scatter_shard_indices(None if order is None else plan.shards(order), plan.lengths)
     loader = DataLoader(dataset, batch_size=256, sampler=ShardSampler(indices))
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence, get_args
 
 import torch
@@ -39,8 +45,8 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 __all__ = [
-    "Layout", "ShardSampler", "broadcast_count", "make_shards", "scatter_shard_indices", "shard_lengths",
-    "shard_sizes",
+    "ShardLayout", "ShardPlan", "ShardSampler", "broadcast_count", "limited_batches", "make_shards",
+    "scatter_shard_indices", "shard_lengths", "shard_sizes",
 ]
 
 
@@ -56,22 +62,22 @@ def shard_sizes(num_samples: int, world_size: int) -> list[int]:
     return [base + (rank < extra) for rank in range(world_size)]
 
 
-Layout = Literal["contiguous", "strided_padded"]
+ShardLayout = Literal["contiguous", "strided_padded"]
 """``contiguous``: every sample once, lengths differ by at most one. ``strided_padded``:
 ``DistributedSampler(shuffle=False)``'s layout, equal lengths, some samples twice."""
 
 
-def shard_lengths(num_samples: int, world_size: int, layout: Layout = "contiguous") -> list[int]:
+def shard_lengths(num_samples: int, world_size: int, layout: ShardLayout = "contiguous") -> list[int]:
     """Each rank's shard length under ``layout``: computable on every rank from the count alone."""
     if layout == "contiguous":
         return shard_sizes(num_samples, world_size)
     if layout == "strided_padded":
         shard_sizes(num_samples, world_size)  # same argument checks
         return [-(-num_samples // world_size)] * world_size
-    raise ValueError(f"layout={layout!r} is not one of {get_args(Layout)}")
+    raise ValueError(f"layout={layout!r} is not one of {get_args(ShardLayout)}")
 
 
-def make_shards(order: Sequence[int], world_size: int, layout: Layout = "contiguous") -> list[list[int]]:
+def make_shards(order: Sequence[int], world_size: int, layout: ShardLayout = "contiguous") -> list[list[int]]:
     """Split the sample ``order`` into one index list per rank under ``layout``."""
     lengths = shard_lengths(len(order), world_size, layout)
     if layout == "contiguous":
@@ -80,6 +86,52 @@ def make_shards(order: Sequence[int], world_size: int, layout: Layout = "contigu
     # DistributedSampler pads with the head of the order (repeatedly if world_size > len(order)).
     padded = list(itertools.islice(itertools.cycle(order), lengths[0] * world_size)) if order else []
     return [padded[rank::world_size] for rank in range(world_size)]
+
+
+def limited_batches(num_batches: int, limit: int | float) -> int:
+    """One rank's batch count under a ``limit_{val,test}_batches`` (an int caps it, a float scales it)."""
+    return min(num_batches, limit) if isinstance(limit, int) else int(num_batches * limit)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one evaluation loader is split over ``world_size`` ranks; :meth:`decide` makes it.
+
+    Attributes:
+        num_samples: The loader's sample count (rank 0's, broadcast).
+        layout: ``contiguous`` (each sample once), or ``strided_padded`` where a contiguous split
+            would leave some rank without a batch while another has some: a rank with no batch skips
+            the loop and its collectives, so the others would wait for it.
+        lengths: Each rank's shard length under ``layout``.
+        contiguous_batches: Each rank's batch count under the contiguous split, limit applied (what
+            the decision was made on; the reason of a fallback).
+    """
+
+    num_samples: int
+    layout: ShardLayout
+    lengths: tuple[int, ...]
+    contiguous_batches: tuple[int, ...]
+
+    @classmethod
+    def decide(cls, num_samples: int, world_size: int, *, batch_size: int, drop_last: bool = False,
+               limit: int | float = 1.0) -> ShardPlan:
+        """The plan every rank computes alike from the count, the batching and the batch limit."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        rounding = math.floor if drop_last else math.ceil
+        batches = tuple(limited_batches(rounding(n / batch_size), limit) for n in shard_sizes(num_samples, world_size))
+        layout: ShardLayout = "contiguous" if all(batches) or not any(batches) else "strided_padded"
+        return cls(num_samples, layout, tuple(shard_lengths(num_samples, world_size, layout)), batches)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.lengths)
+
+    def shards(self, order: Sequence[int]) -> list[list[int]]:
+        """The sample ``order`` (on the source rank) split into one index list per rank."""
+        if len(order) != self.num_samples:
+            raise ValueError(f"the plan is for {self.num_samples} samples, the order has {len(order)}")
+        return make_shards(order, self.world_size, self.layout)
 
 
 def broadcast_count(count: int | None, *, src: int = 0, group: dist.ProcessGroup | None = None,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
-    "Layout", "UnevenGatherError", "all_gather_padded", "all_gather_rows", "exchange_layouts", "gather_tensors",
+    "TensorLayout", "UnevenGatherError", "all_gather_padded", "all_gather_rows", "exchange_layouts", "gather_tensors",
 ]
 
 MAX_NDIM = 8
@@ -42,7 +42,7 @@ class UnevenGatherError(ValueError):
     """Raised on every rank when the ranks' tensors cannot be gathered into one result."""
 
 
-class Layout(NamedTuple):
+class TensorLayout(NamedTuple):
     dtype: torch.dtype
     shape: torch.Size
 
@@ -60,13 +60,13 @@ def _describe(tensor: Tensor | None) -> list[int]:
     return [_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape, *[0] * (MAX_NDIM - tensor.ndim)]
 
 
-def _layout(fields: list[int]) -> Layout | None:
+def _layout(fields: list[int]) -> TensorLayout | None:
     code, ndim = fields[0], fields[1]
-    return None if code < 0 else Layout(_DTYPES[code], torch.Size(fields[2:2 + ndim]))
+    return None if code < 0 else TensorLayout(_DTYPES[code], torch.Size(fields[2:2 + ndim]))
 
 
 def exchange_layouts(tensors: Sequence[Tensor | None], *, group: dist.ProcessGroup | None = None,
-                     device: torch.device | str = "cpu") -> list[list[Layout | None]]:
+                     device: torch.device | str = "cpu") -> list[list[TensorLayout | None]]:
     """Every rank's dtype and shape of each of its ``tensors`` (``None``: it has none); one all_gather.
 
     Every rank must pass the same number of tensors. Returns ``layouts[rank][i]``.
@@ -78,7 +78,7 @@ def exchange_layouts(tensors: Sequence[Tensor | None], *, group: dist.ProcessGro
     return [[_layout(row[i * _FIELDS:(i + 1) * _FIELDS]) for i in range(len(tensors))] for row in rows]
 
 
-def gather_tensors(tensors: Sequence[Tensor | None], layouts: list[list[Layout | None]], *,
+def gather_tensors(tensors: Sequence[Tensor | None], layouts: list[list[TensorLayout | None]], *,
                    group: dist.ProcessGroup | None = None,
                    device: torch.device | str = "cpu") -> list[list[Tensor | None]]:
     """Every rank's ``tensors`` on every rank, in ONE all_gather of their bytes; returns ``out[rank][i]``.
@@ -97,7 +97,7 @@ def gather_tensors(tensors: Sequence[Tensor | None], layouts: list[list[Layout |
     return [_unpack(data, rank_layouts) for data, rank_layouts in zip(gathered, layouts)]
 
 
-def _unpack(data: Tensor, layouts: list[Layout | None]) -> list[Tensor | None]:
+def _unpack(data: Tensor, layouts: list[TensorLayout | None]) -> list[Tensor | None]:
     out: list[Tensor | None] = []
     offset = 0
     for layout in layouts:
@@ -114,7 +114,7 @@ def _unpack(data: Tensor, layouts: list[Layout | None]) -> list[Tensor | None]:
 def _row_counts(tensor: Tensor, group: dist.ProcessGroup | None, device: torch.device | str) -> list[int]:
     """Every rank's number of rows of ``tensor``; raises on every rank if the rest of the shape differs."""
     layouts = [rank[0] for rank in exchange_layouts([tensor], group=group, device=device)]
-    mine = Layout(tensor.dtype, tensor.shape)
+    mine = TensorLayout(tensor.dtype, tensor.shape)
     if any(layout.dtype != mine.dtype or layout.shape[1:] != mine.shape[1:] or len(layout.shape) != tensor.ndim
            for layout in layouts):
         described = ", ".join(f"rank {r}: {tuple(l.shape)} {l.dtype}" for r, l in enumerate(layouts))

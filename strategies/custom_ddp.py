@@ -21,7 +21,7 @@ Lightning's. It replaces three things, each through a public seam of the strateg
    consolidated state and every rank loads its shard on resume).
 3. **Evaluation** (``scatter_eval``): for validation/test/sanity loaders ``process_dataloader``
    replaces Lightning's ``DistributedSampler`` (which pads shards with duplicates) by a loader
-   over this rank's shard (:mod:`strategies.evaluation`, the one owner of scatter evaluation):
+   over this rank's shard (:mod:`strategies.scatter_eval`, the one component of scatter evaluation):
    rank 0 scatters contiguous shards of the sample INDICES and every rank reads its own samples
    through the user's loader settings, so every sample is evaluated once and no sample crosses the
    network. Shards differ by one sample, so ranks run different numbers of batches and nothing may
@@ -68,11 +68,12 @@ from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP
 from parallel.zero import ShardedOptimizer
 from strategies.desync import check_desync_option, enable_desync_check, report_desync
 from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
-from strategies.evaluation import ScatteredEvaluation
-from strategies.evaluation_hooks import ScatterEvaluationHooks
+from strategies.launchers import one_stage_launcher
 from strategies.layer_sync import CustomSyncBatchNorm
-from strategies.options import as_timedelta, check_options, check_syncbn_group_size, is_mean_op
+from strategies.options import as_timedelta, check_options, check_syncbn_group_size
 from strategies.preemption import Preemption
+from strategies.scatter_eval import ScatterEvaluation
+from strategies.uneven_gathers import UnevenGathers
 from strategies.watchdog import DEFAULT_STALL_TIMEOUT_S, Watchdog, check_stall_timeout
 
 __all__ = ["CustomDDPStrategy"]
@@ -82,7 +83,7 @@ log = logging.getLogger(__name__)
 _REPOINTED_SCHEDULER_WARNING = r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler"
 
 
-class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
+class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
 
     Args:
@@ -165,7 +166,6 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         self._syncbn_group: Optional[tuple[Any, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
         self._zero1 = zero1
         self._scatter_eval = scatter_eval
-        self._evaluation = ScatteredEvaluation(enabled=scatter_eval)
         self._desync_check = desync_check
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._watchdog = Watchdog(stall_timeout)  # a stalled rank ends the job; survivors name a failed rank
@@ -275,25 +275,20 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
             self._syncbn_group = (dist.group.WORLD, plugin)
         return self._syncbn_group[1]
 
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
+
+    @property
+    def running_stage(self) -> Optional[TrainerFn]:
+        """The trainer call between this strategy's setup and teardown (``None`` between calls)."""
+        return self._running_stage
+
     @override
     def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        launch = self._launcher.launch
-
-        def launch_one_stage_at_a_time(function: Any, *args: Any, **kwargs: Any) -> Any:
-            # A trainer.validate/test/fit/predict called from a hook or callback while another runs
-            # would re-launch the processes from inside a rank (Lightning's fork launcher then fails
-            # with an unrelated CUDA message, one process with an AssertionError). Every rank makes
-            # the same call at the same point, so every rank raises this one error there.
-            if self._running_stage is not None:
-                called = kwargs["trainer"].state.fn.value if kwargs.get("trainer") is not None else "<stage>"
-                raise RuntimeError(f"custom_ddp: trainer.{called}() was called while trainer."
-                                   f"{self._running_stage.value}() is running (from a hook or callback). Lightning "
-                                   "runs one stage at a time: call it after the running one returns, e.g. after "
-                                   "trainer.fit(...) in your script.")
-            return launch(function, *args, **kwargs)
-
-        self._launcher.launch = launch_one_stage_at_a_time
+        # DDPStrategy's choice of launcher, subclassed to refuse a stage started inside another.
+        assert self.cluster_environment is not None
+        self._launcher = one_stage_launcher(self, self._start_method)
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
@@ -333,7 +328,6 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         if isinstance(self.model, SyncedDataParallel):
             self.model.remove_hooks()
             self.model = self.lightning_module
-        self._evaluation.end()
         self._running_stage = None
         super().teardown()
 
@@ -370,23 +364,6 @@ class CustomDDPStrategy(ScatterEvaluationHooks, DDPStrategy):
         if self._watchdog.ending:  # the last checkpoint of a stalled or failed job: no peer left to meet
             return
         super().barrier(name)
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if self._evaluation.in_step:
-            # ``self.log(..., on_step=True, sync_dist=True)`` syncs inside the step, but ranks run
-            # different numbers of evaluation steps: a per-step collective would pair with another
-            # rank's epoch-end one and break the run. A step value stays this rank's own; the
-            # epoch value is reduced after the steps, on every rank, as usual.
-            return tensor
-        # Lightning averages an integer tensor in its own dtype, truncating: ``self.log(...,
-        # sync_dist=True)`` divides the synced value sum by the synced (int) ``cumulated_batch_size``,
-        # so 6 + 5 samples on 2 ranks give a mean count of 5, not 5.5, and a 10% wrong epoch value.
-        # ddp's equal padded shards never show it; uneven evaluation shards do. Average as floats.
-        if (isinstance(tensor, torch.Tensor) and is_mean_op(reduce_op)
-                and not (tensor.is_floating_point() or tensor.is_complex())):
-            tensor = tensor.to(torch.get_default_dtype())
-        return super().reduce(tensor, group, reduce_op)
 
     @classmethod
     @override

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from collectives.launcher import LAUNCH_VARIABLES
+from benchmarks.launcher import LAUNCH_VARIABLES
 from lit_cifar.data import CIFAR100DataModule
 
 # Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.

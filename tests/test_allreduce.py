@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 
 pytestmark = pytest.mark.distributed
 

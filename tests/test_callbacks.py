@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import BenchmarkMonitor
-from callbacks import memory as memory_mod
-from callbacks import timing
+from measure import memory as memory_mod
+from measure import timing
 from callbacks.benchmark import SCHEMA
-from callbacks.stats import summarize
+from measure.stats import summarize
 
 CPU = torch.device("cpu")
 

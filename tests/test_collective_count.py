@@ -1,7 +1,7 @@
 """Collectives per training micro-batch, by source, on 2 CPU ranks (fork launching).
 
 custom_ddp with 2 BatchNorm layers and Lightning's ddp (no BatchNorm), both at
-accumulate_grad_batches=4, counted by :class:`callbacks.collective_count.CollectiveCounter`;
+accumulate_grad_batches=4, counted by :class:`callbacks.CollectiveCounter`;
 and the context manager on a hand-written loop without Lightning.
 """
 
@@ -20,8 +20,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from callbacks.collective_count import CollectiveCounter, count_collectives
-from collectives.launcher import run_workers
+from callbacks import CollectiveCounter
+from measure.collective_count import count_collectives
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
 from strategies.custom_ddp import CustomDDPStrategy

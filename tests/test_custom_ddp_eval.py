@@ -8,7 +8,6 @@ with one all-reduce per evaluation epoch and no hang from the uneven batch count
 from __future__ import annotations
 
 import json
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,8 +22,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from parallel.eval_sharding import ShardPlan
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.evaluation import _choose_layout
+from strategies.scatter_eval import _warn_fallback
 
 pytestmark = pytest.mark.distributed
 NUM_SAMPLES = 11
@@ -184,6 +184,12 @@ def test_more_ranks_than_samples_falls_back_to_the_padded_layout() -> None:
     assert actual["val/count"] == 2
 
 
+def test_a_fallback_warning_names_the_batch_counts_and_the_fixes() -> None:
+    plan = ShardPlan.decide(5, 2, batch_size=2, limit=0.5)
+    with pytest.warns(UserWarning, match=r"per-rank batch counts \[1, 0\].*padded layout.*an int limit"):
+        _warn_fallback(plan, 2, 0.5)
+
+
 @pytest.mark.parametrize("limit", [0.5, 1, 2])
 def test_limit_val_batches_runs_on_every_rank(limit) -> None:
     # 5 samples, batches of 2: contiguous shards 3 + 2 give 2 + 1 batches, and 0.5 would leave
@@ -192,20 +198,6 @@ def test_limit_val_batches_runs_on_every_rank(limit) -> None:
     module.val_dataloader = lambda: DataLoader(IndexedDataset(5), batch_size=2)
     actual = _trainer(_custom(), limit_val_batches=limit).validate(module, verbose=False)[0]
     assert actual["val/count"] == {0.5: 4, 1: 4, 2: 5}[limit]
-
-
-@pytest.mark.parametrize("num_samples, batch_size, limit, layout", [
-    (11, 4, 1.0, "contiguous"),      # 6 + 5 samples: 2 + 2 batches
-    (5, 2, 0.5, "strided_padded"),   # 3 + 2 samples: 2 + 1 batches -> int(0.5 * 1) = 0 on rank 1
-    (5, 2, 1, "contiguous"),         # an int limit keeps one batch on each rank
-    (1, 4, 1.0, "strided_padded"),   # fewer samples than ranks
-    (0, 4, 1.0, "contiguous"),       # nothing on any rank: every rank skips, consistently
-])
-def test_layout_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, limit, layout) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert _choose_layout(num_samples, 2, (batch_size, False), limit) == layout
-    assert any("padded layout" in str(w.message) for w in caught) == (layout == "strided_padded")
 
 
 def test_reloaded_dataloaders_are_rescattered_every_epoch(tmp_path) -> None:

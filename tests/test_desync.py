@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.desync import enable_desync_check, is_desync_error, own_side, report_desync
 

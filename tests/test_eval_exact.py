@@ -23,10 +23,10 @@ from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from conformance.patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, \
     ValidateInsideFit, dataset
-from callbacks.collective_count import count_collectives
-from collectives.launcher import run_workers
+from measure.collective_count import count_collectives
+from benchmarks.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.evaluation import ScatteredEvaluation
+from strategies.scatter_eval import shard_loader
 
 pytestmark = pytest.mark.distributed
 # Defined by something other than the data: a local metric, torchmetrics' mean-of-ranks sync,
@@ -134,7 +134,7 @@ def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under
     assert trainer.test(IteratorStepsModule(), [0, 1, 2], verbose=False) == [{"count": 6.0}]  # each rank: all 3, as ddp
     loader = [0, 1, 2]
     with pytest.warns(UserWarning, match="is a list, not a torch DataLoader: it is used as it is"):
-        assert ScatteredEvaluation().loader(loader, trainer, device=torch.device("cpu")) is loader
+        assert shard_loader(loader, trainer, device=torch.device("cpu")) is loader
 
 
 def test_a_second_trainer_call_inside_fit_fails_with_one_clear_message_on_every_rank() -> None:

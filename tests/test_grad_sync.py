@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from parallel.buckets import assign_buckets
 from parallel.sync_config import SYNC_MODES, caps_for_mode
 from parallel.grad_sync import SyncedDataParallel
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.0005}

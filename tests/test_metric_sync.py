@@ -17,8 +17,8 @@ from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
 
 from conformance.patterns import MeanStateMetric
-from callbacks.collective_count import count_collectives
-from collectives.launcher import run_workers
+from measure.collective_count import count_collectives
+from benchmarks.launcher import run_workers
 from parallel.metric_sync import MetricSync, merge_kinds
 from parallel.uneven_gather import UnevenGatherError, all_gather_padded, all_gather_rows, exchange_layouts, \
     gather_tensors

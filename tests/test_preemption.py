@@ -20,7 +20,7 @@ from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.preemption import Preemption, check_lightning_version, stop_checkpoint_path

@@ -6,8 +6,9 @@ import pytest
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DistributedSampler
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel.eval_sharding import (
+    ShardPlan,
     ShardSampler,
     broadcast_count,
     make_shards,
@@ -23,6 +24,29 @@ def test_shard_sizes_cover_every_sample_once() -> None:
     assert shard_sizes(1, 3) == [1, 0, 0]
     with pytest.raises(ValueError, match="world_size"):
         shard_sizes(4, 0)
+
+
+@pytest.mark.parametrize("num_samples, batch_size, limit, layout, lengths", [
+    (11, 4, 1.0, "contiguous", (6, 5)),          # 6 + 5 samples: 2 + 2 batches
+    (5, 2, 0.5, "strided_padded", (3, 3)),       # 3 + 2 samples: 2 + 1 batches -> int(0.5 * 1) = 0 on rank 1
+    (5, 2, 1, "contiguous", (3, 2)),             # an int limit keeps one batch on each rank
+    (1, 4, 1.0, "strided_padded", (1, 1)),       # fewer samples than ranks
+    (0, 4, 1.0, "contiguous", (0, 0)),           # nothing on any rank: every rank skips, consistently
+])
+def test_a_plan_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, limit, layout, lengths) -> None:
+    plan = ShardPlan.decide(num_samples, 2, batch_size=batch_size, limit=limit)
+    assert (plan.layout, plan.lengths, plan.world_size) == (layout, lengths, 2)
+    assert plan.shards(list(range(num_samples))) == make_shards(list(range(num_samples)), 2, layout)
+
+
+def test_a_plan_counts_batches_as_lightning_does_and_rejects_a_wrong_order() -> None:
+    assert ShardPlan.decide(11, 2, batch_size=4).contiguous_batches == (2, 2)
+    assert ShardPlan.decide(11, 2, batch_size=4, drop_last=True).contiguous_batches == (1, 1)
+    assert ShardPlan.decide(40, 2, batch_size=4, limit=3).contiguous_batches == (3, 3)
+    with pytest.raises(ValueError, match="the plan is for 11 samples, the order has 10"):
+        ShardPlan.decide(11, 2, batch_size=4).shards(list(range(10)))
+    with pytest.raises(ValueError, match="batch_size=0"):
+        ShardPlan.decide(11, 2, batch_size=0)
 
 
 def test_contiguous_shards_follow_the_given_order() -> None:

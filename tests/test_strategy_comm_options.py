@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 import train  # train.py at the repository root, on pytest's pythonpath
-from callbacks.collective_count import count_collectives
+from measure.collective_count import count_collectives
 from callbacks.run_hparams import flatten_hparams
-from callbacks.run_info import strategy_options
-from collectives.launcher import WorkerError, run_workers
+from measure.run_info import strategy_options
+from benchmarks.launcher import WorkerError, run_workers
 from parallel.grad_sync import SyncedDataParallel
 from strategies import CustomDDPStrategy
 from strategies.layer_sync import CustomSyncBatchNorm

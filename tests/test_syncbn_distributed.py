@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
 

@@ -11,7 +11,7 @@ concatenated batch within ``atol=1e-3, rtol=0``.
 import pytest
 import torch
 
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.grad_sync import SyncedDataParallel
-from collectives.launcher import run_workers
+from benchmarks.launcher import run_workers
 from parallel import zero
 from parallel.zero import ShardedOptimizer
 

@@ -1,7 +1,7 @@
 """Count every collective a training run issues, per micro-batch and by source. Observation only.
 
 ``count_collectives`` (a context manager, no Trainer needed; this module never imports Lightning)
-and ``CollectiveCounter`` (the Lightning callback, :mod:`callbacks.collective_counter`) run
+and ``callbacks.CollectiveCounter`` (the Lightning callback, :mod:`callbacks.collective_counter`) run
 ``torch.profiler`` (CPU activity, ``record_shapes=True``) and read the ``c10d::`` dispatcher ops:
 every ``torch.distributed`` collective passes through one, whatever import path or backend issued it.
 The profiler's event tree (``experimental_event_tree``, marked experimental by torch; tested with
@@ -231,13 +231,3 @@ def count_collectives(model: nn.Module | None = None) -> Iterator[list[Collectiv
     with profiler() as prof:
         yield collectives
     collectives.extend(classify(prof, model))
-
-
-def __getattr__(name: str) -> Any:
-    # The Lightning callback lives in callbacks.collective_counter (it needs Lightning; this module
-    # does not); ``callbacks.collective_count.CollectiveCounter`` keeps working.
-    if name == "CollectiveCounter":
-        from callbacks.collective_counter import CollectiveCounter
-
-        return CollectiveCounter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,94 @@
+"""Lightning's launchers, refusing a trainer call that starts while another one runs.
+
+A ``trainer.validate``/``test``/``fit``/``predict`` called from a hook or a callback while another
+stage runs would re-launch the processes from inside a rank: Lightning's fork launcher then fails
+with an unrelated CUDA message and one process with an empty ``AssertionError``. Every rank makes
+the same call at the same point, so every rank raises one clear error there instead.
+
+The guard is a launcher subclass, not a wrapper assigned to ``launcher.launch``: the spawn and
+forkserver start methods pickle the trainer with its strategy and launcher into each new process,
+and a closure does not pickle (``custom_ddp_spawn`` failed before training with
+``Can't pickle local object``).
+
+Lightning's launcher classes are private (``lightning.pytorch.strategies.launchers``); their
+constructor signatures are part of what ``strategies.preemption.check_lightning_version`` pins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch.distributed as dist
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+
+import lightning.pytorch as pl
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+__all__ = ["OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher", "one_stage_launcher"]
+
+
+class _OneStageAtATime:
+    """Mixin for a Lightning launcher: ``launch`` raises while the strategy runs another stage.
+
+    The strategy reports its running stage through ``running_stage`` (``None`` between stages).
+    """
+
+    _strategy: Any
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        running: Optional[TrainerFn] = self._strategy.running_stage
+        if running is not None:
+            called = trainer.state.fn.value if trainer is not None else "<stage>"
+            raise RuntimeError(
+                f"custom_ddp: trainer.{called}() was called while trainer.{running.value}() is running (from a "
+                "hook or callback). Lightning runs one stage at a time: call it after the running one returns, "
+                "e.g. after trainer.fit(...) in your script."
+            )
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class OneStageSubprocessScriptLauncher(_OneStageAtATime, _SubprocessScriptLauncher):
+    """The popen launcher (re-runs the script per rank), one stage at a time."""
+
+    def __init__(self, strategy: Any, cluster_environment: ClusterEnvironment, num_processes: int,
+                 num_nodes: int) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._strategy = strategy
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The started children's Popen objects hold locks: rank 0's strategy pickles without them, as
+        # Lightning's multiprocessing launcher drops its processes (Lightning's ddp does not pickle here).
+        state = self.__dict__.copy()
+        state["procs"] = []
+        return state
+
+
+class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher):
+    """The fork/spawn/forkserver launcher, one stage at a time (it already holds the strategy).
+
+    A worker that finished its stage destroys its process group before it exits: a spawned worker
+    exits through interpreter finalization, where gloo's threads, still alive without
+    ``destroy_process_group()``, sometimes abort the process ("terminate called without an active
+    exception", SIGABRT) after the stage succeeded (seen with Lightning's ``ddp_spawn``, 2 of 9 runs
+    on a loaded 2-core machine). Only after a normal return: on an error path a destroy could wait on
+    a dead peer's collective.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def one_stage_launcher(strategy: Any, start_method: str) -> _Launcher:
+    """The guarded launcher ``DDPStrategy._configure_launcher`` would pick for ``start_method``."""
+    if start_method == "popen":
+        return OneStageSubprocessScriptLauncher(strategy, strategy.cluster_environment, strategy.num_processes,
+                                                strategy.num_nodes)
+    return OneStageMultiProcessingLauncher(strategy, start_method=start_method)

@@ -1,0 +1,248 @@
+"""Scatter-based evaluation for :class:`strategies.custom_ddp.CustomDDPStrategy`: the one component.
+
+:class:`ScatterEvaluation` is a strategy mixin (placed before ``DDPStrategy``) that owns every
+strategy hook scatter evaluation needs; the shard arithmetic and the collectives are the pure
+torch of :mod:`parallel.eval_sharding` and :mod:`parallel.metric_sync`.
+
+- **Loaders** (``distributed_sampler_kwargs``, ``process_dataloader``, when Lightning sets loaders
+  up): Lightning's injected sampler is made the identity, then rank 0 reads the sample order from
+  it; the count is broadcast, every rank computes the same :class:`~parallel.eval_sharding.ShardPlan`
+  once, and rank 0 scatters the indices (never the samples). Each rank reads its own dataset object
+  through a :class:`~parallel.eval_sharding.ShardSampler`, with the user's batch size,
+  ``collate_fn``, workers, pinning and transforms untouched: a step receives exactly the batch the
+  user's loader would give it. Loaders that cannot be re-sharded by index (an ``IterableDataset``, a
+  sampler of the user's own, a custom batch sampler, an iterable that is no ``DataLoader``) are used
+  as they are, with a warning, as Lightning's ``ddp`` uses them.
+- **Runs** (``on_validation_start``/``on_test_start`` ... ``on_*_end`` and ``teardown``): one
+  :class:`_EvaluationRun` per validation/test/sanity run counts this rank's steps against the
+  Trainer's own per-rank batch counts and hands the torchmetrics of the module and of the callbacks
+  to :class:`parallel.metric_sync.MetricSync`: exact dataset values, merged after the rank's last
+  step of each loader.
+- **reduce**: inside a step a ``self.log(..., on_step=True, sync_dist=True)`` value stays this
+  rank's own (ranks run different numbers of steps: a per-step collective would pair with another
+  rank's epoch-end one); epoch values are reduced as usual, integer means as floats.
+
+A plan whose contiguous split leaves some rank without a batch (fewer samples than ranks, a
+``limit_*_batches`` fraction rounding a shard to zero batches) falls back to
+``DistributedSampler``'s padded layout with a warning. A run with a loader of unknown length leaves
+the metrics' own sync alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torchmetrics import Metric
+from typing_extensions import override
+
+from parallel.eval_sharding import ShardPlan, ShardSampler, broadcast_count, scatter_shard_indices
+from parallel.metric_sync import MetricSync
+from strategies.options import is_mean_op
+
+__all__ = ["ScatterEvaluation", "shard_loader"]
+
+_FALLBACK = "pass CustomDDPStrategy(scatter_eval=False) to keep Lightning's DistributedSampler"
+_EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+# DataLoader settings carried over to the shard loader unchanged (all but dataset/batching/sampling).
+_KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                     "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
+                     "pin_memory_device", "in_order")
+
+
+def _batching(dataloader: object) -> tuple[int, bool] | str:
+    """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not."""
+    if not isinstance(dataloader, DataLoader):
+        return f"a {type(dataloader).__name__}, not a torch DataLoader"
+    if isinstance(dataloader.dataset, IterableDataset):
+        return "over an IterableDataset"
+    if isinstance(dataloader.sampler, DistributedSampler) and dataloader.sampler.num_replicas != 1:
+        return "sharded by a DistributedSampler of your own"
+    if dataloader.batch_size is not None:
+        return dataloader.batch_size, dataloader.drop_last
+    if type(dataloader.batch_sampler) is BatchSampler:  # torch's own: its batches are re-made from the shard
+        return dataloader.batch_sampler.batch_size, dataloader.batch_sampler.drop_last
+    return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
+
+
+def _warn_fallback(plan: ShardPlan, batch_size: int, limit: int | float) -> None:
+    rank_zero_warn(f"custom_ddp: {plan.num_samples} evaluation samples in batches of {batch_size} with limit "
+                   f"{limit!r} give per-rank batch counts {list(plan.contiguous_batches)}; a rank without a batch "
+                   "would skip the collectives of the others, so this loader uses DistributedSampler's padded "
+                   "layout (some samples count twice, as with Lightning's ddp). Use more samples, a smaller batch "
+                   "size or an int limit to keep each sample once.")
+
+
+def _rebuilt(dataloader: DataLoader, indices: list[int], batching: tuple[int, bool]) -> DataLoader:
+    """``dataloader`` reading only ``indices`` of its dataset, every other setting kept."""
+    kept = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS if hasattr(dataloader, name)}
+    if type(dataloader) is not DataLoader:
+        rank_zero_warn(f"custom_ddp: the evaluation loader of class {type(dataloader).__name__} is rebuilt as a "
+                       f"torch DataLoader over this rank's shard (same settings); {_FALLBACK} if the subclass "
+                       "changes iteration.")
+    batch_size, drop_last = batching
+    return DataLoader(dataloader.dataset, batch_size=batch_size, drop_last=drop_last,
+                      sampler=ShardSampler(indices), **kept)
+
+
+def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.device) -> object:
+    """This rank's shard of an evaluation ``dataloader`` (see the module docstring). Two collectives."""
+    batching = _batching(dataloader)
+    if isinstance(batching, str):
+        rank_zero_warn(f"custom_ddp: an evaluation loader is {batching}: it is used as it is, without scatter "
+                       "evaluation (as Lightning's ddp uses it); metrics are exact only if it covers each "
+                       "sample once over all ranks.")
+        return dataloader
+    order = list(dataloader.sampler) if dist.get_rank() == 0 else None  # the identity sampler: the full order
+    num_samples = broadcast_count(None if order is None else len(order), device=device)
+    limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
+    plan = ShardPlan.decide(num_samples, dist.get_world_size(), batch_size=batching[0], drop_last=batching[1],
+                            limit=limit)
+    if plan.layout != "contiguous":
+        _warn_fallback(plan, batching[0], limit)
+    indices = scatter_shard_indices(None if order is None else plan.shards(order), plan.lengths, device=device)
+    return _rebuilt(dataloader, indices, batching)
+
+
+def _metrics(trainer: pl.Trainer, module: pl.LightningModule) -> list[Metric]:
+    """The torchmetrics of the module, then of the callbacks (their attributes), in a rank-independent order."""
+    owners = [module] + [value for callback in trainer.callbacks for value in getattr(callback, "__dict__", {}).values()
+                         if isinstance(value, torch.nn.Module)]
+    return [metric for owner in owners for metric in owner.modules() if isinstance(metric, Metric)]
+
+
+class _EvaluationRun:
+    """One scattered validation/test/sanity run: its step count and its metrics' deferred sync."""
+
+    def __init__(self, loader_ends: list[int], metrics: list[Metric], device: torch.device) -> None:
+        self._loader_ends = loader_ends  # cumulative step counts at which this rank's loaders end
+        self._steps = 0
+        self.in_step = False
+        self._metric_sync = MetricSync(device=device)
+        self._metric_sync.begin(metrics)
+        self._metric_sync.set_ready(0 in loader_ends)  # a loader with no batch on any rank
+
+    def step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one step; the metrics may merge only after a loader's last one."""
+        self._metric_sync.set_ready(False)
+        self.in_step = True
+        try:
+            output = step(*args, **kwargs)
+            self._steps += 1  # not on StopIteration: a ``dataloader_iter`` step that found no batch
+            return output
+        finally:
+            self.in_step = False
+            self._metric_sync.set_ready(self._steps in self._loader_ends)
+
+    def end(self) -> None:
+        """Give the metrics their own sync back."""
+        self._metric_sync.end()
+
+
+class ScatterEvaluation:
+    """Strategy hooks of scatter evaluation; mix in before ``DDPStrategy``.
+
+    The strategy sets ``_scatter_eval`` (its ``scatter_eval`` option) in ``__init__``.
+    """
+
+    _scatter_eval: bool
+    _collective_device: torch.device  # the strategy's: CPU for gloo, the rank's device for NCCL
+    _evaluation_run: Optional[_EvaluationRun] = None  # between on_*_start and on_*_end of a scattered run
+
+    @property
+    def _trainer(self) -> Optional[pl.Trainer]:
+        module = self.lightning_module
+        return None if module is None else module._trainer
+
+    def _scatters(self) -> bool:
+        """Whether the evaluation loaders being set up now, and their run, are scattered."""
+        trainer = self._trainer
+        return (self._scatter_eval and trainer is not None and trainer.world_size > 1
+                and trainer.state.stage in _EVAL_STAGES)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Evaluation loaders are sharded by the scatter: let the sampler Lightning injects be the
+        # identity (full dataset, no padding duplicates, no "use devices=1" warning).
+        if self._scatters():
+            return {"num_replicas": 1, "rank": 0}
+        return super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not self._scatters():
+            return dataloader
+        return shard_loader(dataloader, self._trainer, device=self._collective_device)
+
+    def _start_run(self) -> None:
+        self._end_run()
+        trainer = self._trainer
+        if not self._scatters():
+            return
+        if trainer.sanity_checking:
+            batches = trainer.num_sanity_val_batches
+        else:
+            batches = trainer.num_test_batches if trainer.testing else trainer.num_val_batches
+        if all(math.isfinite(n) for n in batches):  # else no step is known to be a rank's last
+            loader_ends = list(itertools.accumulate(int(n) for n in batches))
+            self._evaluation_run = _EvaluationRun(loader_ends, _metrics(trainer, self.lightning_module),
+                                                  self._collective_device)
+
+    def _end_run(self) -> None:
+        if self._evaluation_run is not None:
+            self._evaluation_run.end()
+        self._evaluation_run = None
+
+    def _step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        run = self._evaluation_run
+        return step(*args, **kwargs) if run is None else run.step(step, *args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._start_run()
+
+    @override
+    def on_test_start(self) -> None:
+        self._start_run()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(super().test_step, *args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_run()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_run()
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._evaluation_run is not None and self._evaluation_run.in_step:
+            return tensor  # a step value stays this rank's own; see the module docstring
+        # Lightning averages an integer tensor in its own dtype, truncating: ``self.log(...,
+        # sync_dist=True)`` divides the synced value sum by the synced (int) ``cumulated_batch_size``,
+        # so 6 + 5 samples on 2 ranks give a mean count of 5, not 5.5, and a 10% wrong epoch value.
+        # ddp's equal padded shards never show it; uneven evaluation shards do. Average as floats.
+        if (isinstance(tensor, torch.Tensor) and is_mean_op(reduce_op)
+                and not (tensor.is_floating_point() or tensor.is_complex())):
+            tensor = tensor.to(torch.get_default_dtype())
+        return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def teardown(self) -> None:
+        self._end_run()
+        super().teardown()
