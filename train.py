@@ -46,7 +46,14 @@ every process after the same optimizer step; rank 0 prints the checkpoint it wro
 last.ckpt) and the exit status is 128 + the signal number (SIGTERM: 143). Resume from it:
     python train.py fit --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
 A collective only some processes issue waits for the timeout; with --trainer.strategy.desync_check=true it is
-an error naming both sides instead (README, "Stopping safely").
+an error naming both sides instead (README, "Stopping safely"). A process that stops making progress (stopped,
+looping, a blocked DataLoader) ends every process after --trainer.strategy.stall_timeout seconds (default 300)
+with exit status 75 and one report from rank 0 naming it.
+
+Restarts that resume: --ckpt_path=last resumes from the run's newest last.ckpt and starts fresh when there is
+none yet, so one command serves the first run and every restart of torch elastic (or a SLURM requeue, README):
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 train.py fit --config configs/quickstart.yaml \
+        --ckpt_path=last
 
 The assignment's template net (batch 32, 2 processes, gradient accumulation 2, 20 epochs):
     python train.py fit --config configs/cifar100_template_net.yaml
@@ -90,7 +97,7 @@ from lit_cifar.cli_errors import check_strategy_config, short_option_errors
 from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
-from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir
+from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
 from strategies import CustomDDPStrategy
 from strategies.options import check_init_args
 
@@ -224,6 +231,8 @@ class LitCifarCLI(LightningCLI):
         """The logger follows ``default_root_dir``; ``CustomDDPStrategy``'s options are checked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         follow_default_root_dir(config.trainer)
+        if self.subcommand == "fit":  # --ckpt_path=last: the run's newest last.ckpt, or a fresh start
+            resume_last_version(config.trainer, config.get("ckpt_path"))
         # Before jsonargparse builds the strategy: it would bury this error in a report of its Union type.
         check_strategy_config(config.trainer.strategy, CustomDDPStrategy, check_init_args)
 

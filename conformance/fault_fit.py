@@ -11,7 +11,10 @@ Faults the script injects itself (``RANK:EPOCH:BATCH``): ``--raise_at`` raises o
 ``--rank_collective_at`` logs with ``sync_dist=True`` on that rank only (one all_reduce the other
 rank never issues). ``--hold RANK:EPOCH:BATCH:SECONDS`` makes one rank sleep at the start of a
 training batch, so its peer waits inside the batch's first collective (a SyncBN all_gather) while
-a signal arrives; ``--ckpt_hold SECONDS`` sleeps inside the first checkpoint save on every rank.
+a signal arrives; ``--ckpt_hold SECONDS`` sleeps inside the first checkpoint save on every rank
+(``--ckpt_hold_rank R``: on that rank only). Stalls: ``--loop_at`` loops forever in
+``training_step`` on that rank; ``--block_loader_at`` makes that rank's training DataLoader block
+from that batch on. Faults fire in the first attempt of a ``torchrun --max-restarts`` job only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from strategies.custom_ddp import CustomDDPStrategy
+
+FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # torchrun restarts run clean
+
+
+class BlockingDataset(TensorDataset):
+    """A TensorDataset whose ``__getitem__`` blocks for good once ``block`` is set (a hung filesystem)."""
+
+    block = False
+
+    def __getitem__(self, index: int) -> Any:
+        while self.block:
+            time.sleep(1.0)
+        return super().__getitem__(index)
 
 SAMPLES, VAL_SAMPLES, BATCH = 384, 128, 16  # 12 training batches per rank and epoch, 4 validation batches
 
@@ -69,8 +85,8 @@ class FaultNet(pl.LightningModule):
         self._saves = 0
 
     def _at(self, spec: Optional[tuple[float, ...]], batch_idx: int) -> bool:
-        return (spec is not None and int(spec[0]) == self.global_rank and int(spec[1]) == self.current_epoch
-                and int(spec[2]) == batch_idx)
+        return (FIRST_ATTEMPT and spec is not None and int(spec[0]) == self.global_rank
+                and int(spec[1]) == self.current_epoch and int(spec[2]) == batch_idx)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.events is not None
@@ -78,6 +94,10 @@ class FaultNet(pl.LightningModule):
         hold = _where(self.args.hold, 4)
         if self._at(hold, batch_idx):
             time.sleep(hold[3])
+        if self._at(_where(self.args.loop_at), batch_idx):
+            self.events("fault", kind="loop")
+            while True:  # an endless loop in user code: the main thread never comes back
+                pass
         if self._at(_where(self.args.raise_at), batch_idx):
             self.events("fault", kind="exception")
             raise RuntimeError(f"injected fault: rank {self.global_rank} raised in training_step")
@@ -88,6 +108,11 @@ class FaultNet(pl.LightningModule):
             self.log("rank_only", loss.detach(), on_step=True, sync_dist=True)  # an all_reduce on this rank only
         time.sleep(self.args.step_sleep)
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._at(_where(self.args.block_loader_at), batch_idx + 1):
+            self.events("fault", kind="block_loader")
+            BlockingDataset.block = True  # the next fetch (num_workers=0: in this thread) blocks
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         assert self.events is not None
@@ -101,7 +126,9 @@ class FaultNet(pl.LightningModule):
         assert self.events is not None
         self.events("ckpt_save", epoch=self.current_epoch, step=self.global_step)
         self._saves += 1
-        if self._saves == 1:
+        if self._saves == 1 and self.args.ckpt_hold_rank in (None, self.global_rank):
+            if self.args.ckpt_hold_rank is not None:
+                self.events("fault", kind="slow_save", seconds=self.args.ckpt_hold)
             time.sleep(self.args.ckpt_hold)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -111,7 +138,7 @@ class FaultNet(pl.LightningModule):
         generator = torch.Generator().manual_seed(seed)
         x = torch.randn(samples, 3, 8, 8, generator=generator)
         y = torch.randint(0, 10, (samples,), generator=generator)
-        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=seed == 0)
+        return DataLoader(BlockingDataset(x, y), batch_size=BATCH, shuffle=seed == 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(SAMPLES, 0)
@@ -130,6 +157,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--step_sleep", type=float, default=0.05, help="seconds added to every training step")
     parser.add_argument("--val_sleep", type=float, default=0.2, help="seconds added to every validation step")
     parser.add_argument("--ckpt_hold", type=float, default=0.0, help="seconds inside the first checkpoint save")
+    parser.add_argument("--ckpt_hold_rank", type=int, default=None, help="hold the save on this rank only")
+    parser.add_argument("--stall_timeout", type=float, default=None, help="strategy's stall_timeout (default: its own)")
+    parser.add_argument("--loop_at", help="RANK:EPOCH:BATCH loop forever in training_step")
+    parser.add_argument("--block_loader_at", help="RANK:EPOCH:BATCH the training DataLoader blocks at that batch")
     parser.add_argument("--hold", help="RANK:EPOCH:BATCH:SECONDS sleep at the start of that training batch")
     parser.add_argument("--raise_at", help="RANK:EPOCH:BATCH raise in training_step")
     parser.add_argument("--rank_collective_at", help="RANK:EPOCH:BATCH log(sync_dist=True) on that rank only")
@@ -142,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     model = FaultNet(args)
-    strategy = CustomDDPStrategy(timeout=args.timeout, desync_check=args.desync_check)
+    stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
+    strategy = CustomDDPStrategy(timeout=args.timeout, desync_check=args.desync_check, **stall)
     checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.max_epochs, callbacks=[checkpoint],
@@ -151,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     events = Events(args.out, trainer.global_rank)
     model.events = events
-    events("start")
+    events("start", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
         trainer.fit(model, ckpt_path=args.ckpt_path)
     except SystemExit as stop:

@@ -1,4 +1,4 @@
-"""Fault matrix: signals, a killed rank, a one-rank exception and a rank-only collective, on a real fit.
+"""Fault matrix: signals, a killed rank, a one-rank exception, a rank-only collective, stalls and restarts.
 
 Each row starts :mod:`conformance.fault_fit` (2 CPU ranks, Lightning's popen launcher, collective
 timeout 30 s), injects one fault at a chosen moment and measures, from outside: the time from the
@@ -6,7 +6,13 @@ fault to every rank process gone, each rank's exit status, rank 0's message, whe
 was written after the fault (and at which step), and whether ``fit --ckpt_path`` resumes from it
 to the end of training. Signals come from this process (``os.kill`` on one rank's pid, taken from
 the rank's event file) while the rank is where the row says: blocked in the SyncBN all_gather of a
-training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save::
+training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save.
+Stall rows (``stall_timeout`` 20 s) stop rank 1 with SIGSTOP, loop forever in its ``training_step``
+or block its DataLoader; one holds rank 0's checkpoint save for 2 x ``stall_timeout`` (must not
+fire). Restart rows run the fit under ``torchrun --max-restarts=1`` with ``--ckpt_path last``: the
+job must finish (exit 0) and its final weights are compared with an uninterrupted run's. "Steps lost"
+counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
+after the fault, else the newest one before it)::
 
     python -m conformance.fault_matrix                  # every row (~3 min on 2 cores), README block
     python -m conformance.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # README untouched
@@ -20,100 +26,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from conformance import fault_matrix_report
+from conformance.fault_messages import rank0_message
+from conformance.fault_rows import (DEADLINE_S, EPOCHS, FAULT_BATCH, FAULT_EPOCH, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S,
+                                    STEPS_PER_EPOCH, Result, Row)
 from measure.run_info import environment
 from benchmarks.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
 README = REPO_ROOT / "README.md"
-STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
-DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
-HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
-
-
-@dataclass(frozen=True)
-class Row:
-    """One fault: what, which rank, when (see the module docstring)."""
-
-    name: str
-    label: str
-    fault: str  # SIGTERM | SIGKILL | exception | rank_collective
-    rank: int
-    phase: str  # train | val | ckpt
-    desync_check: bool = False
-    timeout_s: float = 30.0
-
-    @property
-    def is_signal(self) -> bool:
-        return self.fault.startswith("SIG")
-
-
-ROWS = (
-    Row("sigterm_rank0_train", "SIGTERM to rank 0 during training", "SIGTERM", 0, "train"),
-    Row("sigterm_rank1_train", "SIGTERM to rank 1 during training", "SIGTERM", 1, "train"),
-    Row("sigterm_rank0_val", "SIGTERM to rank 0 during validation", "SIGTERM", 0, "val"),
-    Row("sigterm_rank1_val", "SIGTERM to rank 1 during validation", "SIGTERM", 1, "val"),
-    Row("sigterm_rank0_ckpt", "SIGTERM to rank 0 during a checkpoint save", "SIGTERM", 0, "ckpt"),
-    Row("sigterm_rank1_ckpt", "SIGTERM to rank 1 during a checkpoint save", "SIGTERM", 1, "ckpt"),
-    Row("sigkill_rank0_train", "SIGKILL of rank 0 during training", "SIGKILL", 0, "train"),
-    Row("sigkill_rank1_train", "SIGKILL of rank 1 during training", "SIGKILL", 1, "train"),
-    Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
-    Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
-        desync_check=True),
-    Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
-        0, "train", timeout_s=10.0),
-)
-ROWS_BY_NAME = {row.name: row for row in ROWS}
-FAULT_EPOCH, FAULT_BATCH = 1, 3  # mid-epoch 1: epoch 0's checkpoint exists, the fault's must be newer
-
-
-@dataclass
-class Result:
-    """What a row measured (times in seconds; statuses as a shell shows them: 128 + signal if killed)."""
-
-    row: str
-    label: str
-    seconds_to_all_gone: Optional[float]
-    seconds_to_exit: Optional[float]  # to the last rank's exit event (Python's exit path begins; None if killed)
-    status: dict[int, Optional[int]]
-    message: str
-    checkpoint_step: Optional[int]
-    step_at_fault: Optional[int]
-    resumed_to_step: Optional[int] = None
-    resume_status: Optional[int] = None
-    hung: bool = False
-    notes: list[str] = field(default_factory=list)
-
 
 def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None) -> list[str]:
-    command = [sys.executable, "-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
+    fit = ["-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
+    if row is not None and row.max_restarts is not None:  # torchrun's elastic agent restarts every rank
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    f"--max-restarts={row.max_restarts}"]
+        return launcher + fit + ["--ckpt_path", "last"] + _fault_flags(row)
+    command = [sys.executable] + fit
     if ckpt_path is not None:
         return command + ["--ckpt_path", str(ckpt_path)]
-    assert row is not None
-    command += ["--timeout", str(row.timeout_s)] + (["--desync_check"] if row.desync_check else [])
+    return command + (_fault_flags(row) if row is not None else [])
+
+
+def _fault_flags(row: Row) -> list[str]:
+    command = ["--timeout", str(row.timeout_s)] + (["--desync_check"] if row.desync_check else [])
+    if row.stall_timeout_s is not None:
+        command += ["--stall_timeout", str(row.stall_timeout_s)]
     where = f"{row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}"
     if row.phase == "train" and row.is_signal:
         command += ["--hold", f"{1 - row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}:{HOLD_S}"]
     if row.phase == "ckpt":
-        command += ["--ckpt_hold", str(HOLD_S)]
-    if row.fault == "exception":
-        command += ["--raise_at", where]
-    if row.fault == "rank_collective":
-        command += ["--rank_collective_at", where]
-    return command
+        hold = 2 * row.stall_timeout_s if row.fault == "slow_save" and row.stall_timeout_s else HOLD_S
+        command += ["--ckpt_hold", str(hold)] + (["--ckpt_hold_rank", str(row.rank)] if row.fault == "slow_save" else [])
+    flag = {"exception": "--raise_at", "rank_collective": "--rank_collective_at", "loop": "--loop_at",
+            "block_loader": "--block_loader_at"}.get(row.fault)
+    return command + ([flag, where] if flag else [])
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
@@ -212,55 +171,80 @@ def _kill_quietly(pid: int) -> None:
             pass
 
 
-_ERROR_LINE = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[\w.]+)(?:Error|Exception)\b.*)$")
-
-
-def _message(out: Path) -> str:
-    """Rank 0's stop or desync message; otherwise each rank's last error line, shortened."""
-    lines = (out / "output.log").read_text(errors="replace").replace(f"{out}/", "").splitlines()
-    ours = [line.strip() for line in lines if (line.startswith("custom_ddp") and " received " not in line)]
-    if any("desync check" in line for line in ours):  # rank 0's message: the header and one line per rank
-        start = next(i for i, line in enumerate(lines)
-                     if "desync check" in line and "rank 0" in "".join(lines[i:i + 4]))
-        ours = [line.strip() for line in lines[start:start + 3]]
-    if ours:
-        return " / ".join(dict.fromkeys(ours))
-    errors: dict[str, str] = {}
-    for line in lines:
-        match = _ERROR_LINE.match(line)
-        if match:
-            errors[match.group(1) or "?"] = match.group(2)
-    return " / ".join(f"rank {rank}: {text[:160]}" for rank, text in sorted(errors.items()))
-
-
 def _checkpoint_step(path: Path, after: float) -> Optional[int]:
     if not path.exists() or path.stat().st_mtime < after:
         return None
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
 
 
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def same_as_uninterrupted(final: Path, work: Path) -> Optional[bool]:
+    """Whether ``final``'s weights equal bitwise those of an uninterrupted fit (run once per ``work`` folder)."""
+    reference = work / "uninterrupted"
+    if not (reference / "checkpoints" / "last.ckpt").exists():
+        _run_fit(_fit_command(reference, None), reference, None)
+    if not final.exists() or not (reference / "checkpoints" / "last.ckpt").exists():
+        return None
+    ours, theirs = _state(final), _state(reference / "checkpoints" / "last.ckpt")
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+def _attempt_pids(events: list[dict[str, Any]], first: bool) -> set[int]:
+    return {e["pid"] for e in events if e["event"] == "start" and (e.get("restart", 0) == 0) == first}
+
+
+def _restart_outcome(result: Result, events: list[dict[str, Any]], run: FitRun) -> None:
+    """Restart rows: the job's status, the step it resumed from, the final step (``run_row`` fills the rest)."""
+    later = _attempt_pids(events, first=False)
+    resumed_from = [e["step"] for e in events if e["event"] == "train_batch" and e["pid"] in later]
+    done = [e for e in events if e["event"] == "exit" and e["rank"] == 0 and e["pid"] in later]
+    result.resume_status = _shell_status(run.returncode)
+    result.resumed_to_step = done[-1].get("step") if done else None
+    if resumed_from and result.step_at_fault is not None:
+        result.steps_lost = result.step_at_fault - min(resumed_from)
+    result.notes.append(f"torchrun restarts: {len({e.get('restart') for e in events if e['event'] == 'start'}) - 1}")
+
+
 def run_row(row: Row, out: Path, resume: bool = True) -> Result:
-    """Run one row in ``out`` (a fresh folder) and measure it."""
+    """Run one row in ``out`` (a fresh folder) and measure it; ``resume``: also resume / compare weights."""
     run = _run_fit(_fit_command(out, row), out, row)
     if run.fault_at is None:
         tail = "\n".join((out / "output.log").read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"{row.name}: the fault was never injected (exit {run.returncode}); the fit's output "
                            f"ends with:\n{tail}")
     events = _events(out)
-    exits = {e["rank"]: e for e in events if e["event"] == "exit"}
+    first = _attempt_pids(events, first=True)
+    exits = {e["rank"]: e for e in events if e["event"] == "exit" and e["pid"] in first}
     # Rank 0's status is its process's (the one a scheduler sees under the popen launcher); the
-    # others' come from their exit events (their parent, rank 0, reaps them).
+    # others' come from their exit events (their parent, rank 0, reaps them). Under torchrun: the
+    # first attempt's exit events, and the job's status in the resume column.
     status = {rank: exits[rank]["code"] if rank in exits else None for rank in sorted(run.pids)}
-    status[0] = _shell_status(run.returncode)
+    if row.max_restarts is None:
+        status[0] = _shell_status(run.returncode)
     before = [e["step"] for e in events
               if e["event"] == "train_batch" and e["rank"] == row.rank and e["t"] <= run.fault_at]
     last = out / "checkpoints" / "last.ckpt"
     exited = round(max(e["t"] for e in exits.values()) - run.fault_at, 2) if len(exits) == len(run.pids) else None
+    # The slow-save row's last.ckpt after its "fault" is the fit's own end-of-run checkpoint: no stop's.
+    after = None if row.max_restarts is not None or row.fault == "slow_save" else _checkpoint_step(last, run.fault_at)
     result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
-                    status, _message(out), _checkpoint_step(last, run.fault_at), max(before) if before else None,
-                    hung=run.killed)
+                    status, rank0_message(out), after, max(before) if before else None, hung=run.killed)
     result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]
-    if resume and result.checkpoint_step is not None:
+    if row.max_restarts is not None:
+        _restart_outcome(result, events, run)
+        if resume:
+            result.same_weights = same_as_uninterrupted(last, out.parent)
+        return result
+    newest = after if after is not None else _checkpoint_step(last, 0.0)
+    if newest is not None and result.step_at_fault is not None and row.fault != "slow_save":
+        result.steps_lost = max(0, result.step_at_fault - newest)
+    if row.fault == "slow_save":
+        done = [e for e in events if e["event"] == "exit" and e["rank"] == 0]
+        result.resumed_to_step = done[-1].get("step") if done else None  # the fit itself went on to the end
+    elif resume and after is not None:
         resumed = out / "resume"
         again = _run_fit(_fit_command(resumed, None, last), resumed, None)
         done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]

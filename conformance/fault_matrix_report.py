@@ -31,7 +31,7 @@ __all__ = ["BEGIN", "END", "markdown", "render_block", "update_readme"]
 
 def _status(status: Optional[int]) -> str:
     if status is None:
-        return "killed (no exit)"
+        return "no exit event (killed or os._exit)"
     if status > 128:
         return f"{status} ({signal.Signals(status - 128).name})"
     return str(status)
@@ -44,18 +44,30 @@ def _seconds(value: Optional[float], hung: bool = False) -> str:
 
 
 def _resume(row: dict[str, Any], final_step: int) -> str:
-    if row["checkpoint_step"] is None:
+    if row.get("resume_status") is None and row.get("resumed_to_step") is not None:
+        return f"no stop: the fit went on to step {row['resumed_to_step']}"
+    if row["checkpoint_step"] is None and row.get("resume_status") is None:
         return "–"
     ok = row["resume_status"] == 0 and row["resumed_to_step"] == final_step
     return f"{'yes' if ok else '**NO**'} (exit {row['resume_status']}, step {row['resumed_to_step']})"
+
+
+def _lost(row: dict[str, Any]) -> str:
+    return "–" if row.get("steps_lost") is None else str(row["steps_lost"])
+
+
+def _same(row: dict[str, Any]) -> str:
+    if row.get("same_weights") is False and row.get("steps_lost") == 0:
+        return "no: resumed mid-epoch (the DataLoader restarts the epoch)"
+    return {None: "–", True: "yes (bitwise)", False: "**NO**"}[row.get("same_weights")]
 
 
 def markdown(rows: list[dict[str, Any]], final_step: int) -> list[str]:
     """One table row per fault (``rows``: the ``asdict`` of :class:`conformance.fault_matrix.Result`)."""
     lines = ["| fault | fault → last rank starts exiting | fault → all processes gone "
              "| exit status rank 0 / rank 1 | checkpoint after the fault: step (step at the fault) "
-             "| resume to the end | message |",
-             "|---|---|---|---|---|---|---|"]
+             "| resume to the end | steps lost | final weights = uninterrupted | message |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         status = {int(rank): value for rank, value in row["status"].items()}  # JSON keys are strings
         ckpt = ("none" if row["checkpoint_step"] is None
@@ -64,7 +76,7 @@ def markdown(rows: list[dict[str, Any]], final_step: int) -> list[str]:
         lines.append(f"| {row['label']} | {_seconds(row['seconds_to_exit'])} | "
                      f"{_seconds(row['seconds_to_all_gone'], row['hung'])} | "
                      f"{_status(status.get(0))} / {_status(status.get(1))} | {ckpt} | {_resume(row, final_step)} | "
-                     f"{message} |")
+                     f"{_lost(row)} | {_same(row)} | {message} |")
     return lines
 
 

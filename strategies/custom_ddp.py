@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
@@ -70,13 +71,15 @@ import lightning.pytorch as pl
 from parallel.grad_sync import SyncedDataParallel
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, SyncMode
 from strategies.desync import enable_desync_check, report_desync
+from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
 from strategies.launchers import one_stage_launcher
 from strategies.layer_sync import BatchNormSyncChoice
 from strategies.lightning_seams import check_private_seams
-from strategies.options import CustomDDPOptions, as_timedelta
+from strategies.options import DEFAULT_STALL_TIMEOUT_S, CustomDDPOptions, as_timedelta
 from strategies.preemption import Preemption
 from strategies.scatter_eval import ScatterEvaluation
 from strategies.uneven_gathers import UnevenGathers
+from strategies.watchdog import Watchdog
 from strategies.zero1 import shard_optimizers
 
 __all__ = ["CustomDDPStrategy"]
@@ -120,6 +123,9 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             forward, in one collective (:mod:`parallel.buffer_sync`); SyncBN statistics are left
             out, so with every BatchNorm synchronised nothing is sent. Also before validation and
             at the end of fit.
+        stall_timeout: Seconds a rank may show no progress (a stopped process, a main thread that
+            loops or blocks outside a collective) before every rank ends with exit status 75 and
+            rank 0 prints one report naming it (:mod:`strategies.stall_watch`); ``None``: never.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum (:mod:`strategies.preemption`).
@@ -148,12 +154,13 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         desync_check: bool = False,
         broadcast_buffers: bool = True,
+        stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self._options = CustomDDPOptions(
             sync_batchnorm=sync_batchnorm, syncbn_group_size=syncbn_group_size, syncbn_compile=syncbn_compile,
             sync_mode=sync_mode, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             grad_compression=grad_compression, zero1=zero1, scatter_eval=scatter_eval, desync_check=desync_check,
-            broadcast_buffers=broadcast_buffers)
+            broadcast_buffers=broadcast_buffers, stall_timeout=stall_timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,12 +173,17 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
         )
         self._batchnorm_sync = BatchNormSyncChoice(syncbn_group_size, syncbn_compile, self._timeout)
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
+        self._watchdog = Watchdog(stall_timeout)  # a stalled rank ends the job; survivors name a failed rank
         self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
 
     @property
     def options(self) -> CustomDDPOptions:
         """This strategy's own settings (``options.as_dict()`` for logs, hyperparameters, records)."""
         return self._options
+
+    def busy(self, label: str) -> AbstractContextManager[None]:
+        """``with strategy.busy("rank-0 report"):`` a slow phase the stall watch allows 10 x stall_timeout."""
+        return self._watchdog.progress.busy(label)
 
     # ----------------------------------------------------------------- setup / teardown
 
@@ -183,6 +195,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             self._layer_sync = self._batchnorm_sync.plugin(self._layer_sync)
         super().setup(trainer)
         self._preemption.attach(trainer)
+        self._watchdog.attach(trainer)
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
 
     @override
@@ -191,6 +204,14 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             enable_desync_check()  # before the process group exists: torch wraps it at creation
         super().setup_environment()
         log.debug("%s: environment set up (rank %d of %d)", self.__class__.__name__, self.global_rank, self.world_size)
+
+    @override
+    def setup_distributed(self) -> None:
+        if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: see strategies.elastic_store
+            self.set_world_ranks()
+            init_attempt_process_group(self._get_process_group_backend(), self.global_rank, self.world_size,
+                                       self._timeout)
+        super().setup_distributed()  # Lightning finds the group initialised and keeps it
 
     @property
     def _collective_device(self) -> torch.device:
@@ -229,6 +250,7 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._preemption.detach()
+        self._watchdog.detach()
         if isinstance(self.model, SyncedDataParallel):
             self.model.remove_hooks()
             self.model = self.lightning_module
@@ -279,6 +301,12 @@ class CustomDDPStrategy(ScatterEvaluation, UnevenGathers, DDPStrategy):
             if message is not None:
                 log.error(message)
         super().on_exception(exception)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._watchdog.ending:  # the last checkpoint of a stalled or failed job: no peer left to meet
+            return
+        super().barrier(name)
 
     @classmethod
     @override

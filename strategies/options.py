@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
@@ -12,8 +13,14 @@ import torch
 from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, GradSyncConfig,
                                   SyncMode, sync_option_problems)
 
-__all__ = ["CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
 
+
+# Longer than any healthy silence of a main thread outside a collective and outside a declared slow
+# phase: one training or evaluation batch, an epoch-end hook, the first fetch of a DataLoader with
+# many workers. Those take seconds to a minute; 5 minutes leaves a wide margin and still ends a
+# stalled job 6 times sooner than torch's default 30-minute collective timeout.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 _BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_check", "broadcast_buffers")
 
@@ -35,6 +42,7 @@ class CustomDDPOptions:
     scatter_eval: bool = True
     desync_check: bool = False
     broadcast_buffers: bool = True
+    stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)!r} must be a bool" for name in _BOOLS
@@ -42,6 +50,9 @@ class CustomDDPOptions:
         problems += sync_option_problems(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb,
                                          self.grad_compression, mode_name="sync_mode")
         problems += _syncbn_problems(self.syncbn_group_size, self.syncbn_compile, self.sync_batchnorm)
+        if not _is_stall_timeout(self.stall_timeout):
+            problems.append(f"stall_timeout={self.stall_timeout!r} must be a number of seconds > 0 (default "
+                            f"{DEFAULT_STALL_TIMEOUT_S:g}) or None to never end a job on a stall")
         if problems:
             raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
@@ -63,6 +74,11 @@ def check_init_args(init_args: Mapping[str, Any]) -> None:
     CustomDDPOptions(**{f.name: init_args[f.name] for f in fields(CustomDDPOptions) if f.name in init_args})
     if "timeout" in init_args:
         as_timedelta(init_args["timeout"])
+
+
+def _is_stall_timeout(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+                             and math.isfinite(value))
 
 
 def _syncbn_problems(syncbn_group_size: Any, syncbn_compile: Any, sync_batchnorm: Any) -> list[str]:

@@ -1,8 +1,10 @@
 """The fault matrix on a real 2-rank fit (popen launcher, real signals from outside, 30 s timeouts).
 
-The default run keeps two rows (about 25 s): SIGTERM to rank 1 while it waits in a SyncBN
-collective, and a rank-only collective under ``desync_check``. Every row, with a resume from each
-checkpoint, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 4 minutes on 2 cores).
+The default run keeps four rows (about 90 s): SIGTERM to rank 1 while it waits in a SyncBN
+collective, a rank-only collective under ``desync_check``, an endless loop on rank 1 (a stall,
+``stall_timeout`` 20 s) and an exception on rank 1 under ``torchrun --max-restarts=1``. Every row,
+with a resume from each checkpoint and the restart rows' final weights compared with an
+uninterrupted run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -13,12 +15,45 @@ from pathlib import Path
 import pytest
 
 from conformance import fault_matrix_report
-from conformance.fault_matrix import DEFAULT_OUT, EPOCHS, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row, run_row
-WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault
+from conformance.fault_matrix import (DEFAULT_OUT, EPOCHS, ROWS, ROWS_BY_NAME, STALL_S, STEPS_PER_EPOCH, Result, Row,
+                                      run_row)
+from strategies.stall_watch import STALL_EXIT_STATUS
+
+WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault; issue 23: a stall within 30 s of its start
+STALL_SIGNS = {"SIGSTOP": "no answer: process stopped or frozen", "loop": "in training_step",
+               "block_loader": "in __getitem__"}
+
+
+def _check_stall(row: Row, result: Result) -> None:
+    if row.fault == "slow_save":  # a save of 2 x stall_timeout: no stall, the fit goes on to the end
+        assert result.status == {0: 0, 1: 0} and "stall" not in result.message, result
+        assert result.resumed_to_step == STEPS_PER_EPOCH * EPOCHS, result
+        return
+    assert result.status[0] == STALL_EXIT_STATUS, result
+    assert result.message.startswith("custom_ddp stall: rank(s) 1 stalled") and "STALLED rank 1" in result.message
+    assert STALL_SIGNS[row.fault] in result.message, result.message
+    assert STALL_S <= result.seconds_to_all_gone < WITHIN_S, result
+    # Rank 0 waited in a collective outside any optimizer update: it wrote the last completed step.
+    assert result.checkpoint_step in (result.step_at_fault, result.step_at_fault + 1), result
+    assert "checkpoint of the last completed optimizer step" in result.message, result.message
+
+
+def _check_restart(row: Row, result: Result, resumed: bool) -> None:
+    assert (result.resume_status, result.resumed_to_step) == (0, STEPS_PER_EPOCH * EPOCHS), result
+    # Rank 0 survived outside an optimizer update and wrote the last completed step: nothing re-done.
+    assert result.steps_lost == 0, result
+    if row.fault == "exception":
+        assert "custom_ddp: rank 1 ended first: RuntimeError: injected fault" in result.message, result.message
+    if resumed:  # a mid-epoch resume: Lightning restarts a plain DataLoader at the epoch's first batch
+        assert result.same_weights is not None, result
 
 
 def _check(row: Row, result: Result, resumed: bool) -> None:
     assert not result.hung, result
+    if row.stall_timeout_s is not None:
+        return _check_stall(row, result)
+    if row.max_restarts is not None:
+        return _check_restart(row, result, resumed)
     assert result.seconds_to_all_gone is not None and result.seconds_to_all_gone < WITHIN_S, result
     if row.fault == "SIGTERM":
         assert result.status == {0: 143, 1: 143}, result
@@ -31,7 +66,14 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
         if resumed:
             assert (result.resume_status, result.resumed_to_step) == (0, STEPS_PER_EPOCH * EPOCHS), result
         return
-    assert result.checkpoint_step is None, result  # nothing consistent to save after a crash
+    if row.fault in ("SIGKILL", "exception") and row.rank == 1:
+        # Rank 0 survived, waiting in a collective before the optimizer update: it wrote the last completed step.
+        assert result.checkpoint_step == result.step_at_fault, result
+        assert result.steps_lost == 0 and "checkpoint of the last completed optimizer step" in result.message
+    elif row.fault == "rank_collective" and not row.desync_check:
+        assert result.checkpoint_step is not None, result  # rank 0 timed out before any update: consistent
+    else:
+        assert result.checkpoint_step is None, result  # rank 0 (the writer) died, or a desync error
     assert result.status[0] not in (0, None), result
     if row.fault == "exception":
         assert "injected fault: rank 1 raised" in result.message, result.message
@@ -45,7 +87,8 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["sigterm_rank1_train", "rank_collective_desync"])
+@pytest.mark.parametrize("name", ["sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train",
+                                  "exception_rank1_restart"])
 def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
     row = ROWS_BY_NAME[name]
     _check(row, run_row(row, tmp_path / name, resume=False), resumed=False)

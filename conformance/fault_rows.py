@@ -1,0 +1,87 @@
+"""The fault matrix's rows (what fault, which rank, when) and what each row measures.
+
+See :mod:`conformance.fault_matrix`, which runs them; ``tests/test_fault_matrix.py`` checks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["DEADLINE_S", "EPOCHS", "FAULT_BATCH", "FAULT_EPOCH", "HOLD_S", "ROWS", "ROWS_BY_NAME", "Result", "Row",
+           "STALL_S", "STEPS_PER_EPOCH"]
+
+STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
+DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
+HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
+STALL_S = 20.0  # stall_timeout of the stall rows
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fault: what, which rank, when (see the module docstring)."""
+
+    name: str
+    label: str
+    fault: str  # SIGTERM | SIGKILL | SIGSTOP | exception | rank_collective | loop | block_loader | slow_save
+    rank: int
+    phase: str  # train | val | ckpt
+    desync_check: bool = False
+    timeout_s: float = 30.0
+    stall_timeout_s: Optional[float] = None  # None: the strategy's default
+    max_restarts: Optional[int] = None  # run under torchrun --max-restarts=N with --ckpt_path last
+
+    @property
+    def is_signal(self) -> bool:
+        return self.fault.startswith("SIG")
+
+
+ROWS = (
+    Row("sigterm_rank0_train", "SIGTERM to rank 0 during training", "SIGTERM", 0, "train"),
+    Row("sigterm_rank1_train", "SIGTERM to rank 1 during training", "SIGTERM", 1, "train"),
+    Row("sigterm_rank0_val", "SIGTERM to rank 0 during validation", "SIGTERM", 0, "val"),
+    Row("sigterm_rank1_val", "SIGTERM to rank 1 during validation", "SIGTERM", 1, "val"),
+    Row("sigterm_rank0_ckpt", "SIGTERM to rank 0 during a checkpoint save", "SIGTERM", 0, "ckpt"),
+    Row("sigterm_rank1_ckpt", "SIGTERM to rank 1 during a checkpoint save", "SIGTERM", 1, "ckpt"),
+    Row("sigkill_rank0_train", "SIGKILL of rank 0 during training", "SIGKILL", 0, "train"),
+    Row("sigkill_rank1_train", "SIGKILL of rank 1 during training", "SIGKILL", 1, "train"),
+    Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
+    Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
+        desync_check=True),
+    Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
+        0, "train", timeout_s=10.0),
+    Row("sigstop_rank1_train", "SIGSTOP of rank 1 during training (stall_timeout 20 s)", "SIGSTOP", 1, "train",
+        stall_timeout_s=STALL_S),
+    Row("loop_rank1_train", "endless loop on rank 1 in training_step (stall_timeout 20 s)", "loop", 1, "train",
+        stall_timeout_s=STALL_S),
+    Row("block_loader_rank1", "DataLoader blocks on rank 1 (stall_timeout 20 s)", "block_loader", 1, "train",
+        stall_timeout_s=STALL_S),
+    Row("slow_save_rank0", "checkpoint save on rank 0 takes 2 x stall_timeout (20 s): must not fire", "slow_save", 0,
+        "ckpt", stall_timeout_s=STALL_S, timeout_s=120.0),  # a 40 s save outlasts the 30 s collective timeout
+    Row("sigkill_rank1_restart", "SIGKILL of rank 1 under torchrun --max-restarts=1", "SIGKILL", 1, "train",
+        max_restarts=1),
+    Row("exception_rank1_restart", "exception on rank 1 under torchrun --max-restarts=1", "exception", 1, "train",
+        max_restarts=1),
+)
+ROWS_BY_NAME = {row.name: row for row in ROWS}
+FAULT_EPOCH, FAULT_BATCH = 1, 3  # mid-epoch 1: epoch 0's checkpoint exists, the fault's must be newer
+
+
+@dataclass
+class Result:
+    """What a row measured (times in seconds; statuses as a shell shows them: 128 + signal if killed)."""
+
+    row: str
+    label: str
+    seconds_to_all_gone: Optional[float]
+    seconds_to_exit: Optional[float]  # to the last rank's exit event (Python's exit path begins; None if killed)
+    status: dict[int, Optional[int]]
+    message: str
+    checkpoint_step: Optional[int]
+    step_at_fault: Optional[int]
+    resumed_to_step: Optional[int] = None
+    resume_status: Optional[int] = None
+    steps_lost: Optional[int] = None
+    same_weights: Optional[bool] = None  # final weights bitwise equal to an uninterrupted run's (restart rows)
+    hung: bool = False
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,279 @@
+"""``custom_ddp``'s watchdog: progress markers from Lightning's hooks, stall detection, exit causes.
+
+A callback the strategy adds in ``setup`` and removes in ``teardown`` (like
+:class:`~strategies.preemption.Preemption`). While a stage runs on 2+ ranks it
+
+- starts this rank's :class:`~strategies.heartbeat.Heartbeat` thread on a new client connection
+  to the job's TCP store (``cluster_environment.main_address:main_port``: the rendezvous store of
+  Lightning's launchers, torchrun's agent store), keys under ``custom_ddp/<restart>/<stage n>/``;
+- marks progress at every batch start and end (train, validation, test, predict, sanity check)
+  and optimizer step: the markers :mod:`strategies.stall_watch` reads;
+- on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
+  exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first.
+
+``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
+from strategies.heartbeat import Heartbeat, Progress, connect_store
+from strategies.preemption import stop_checkpoint_path
+from strategies.options import DEFAULT_STALL_TIMEOUT_S
+from strategies.stall_watch import StallWatch
+
+__all__ = ["Watchdog"]
+
+log = logging.getLogger(__name__)
+
+class Watchdog(Callback):
+    """Heartbeat, progress markers, stall detection and exit causes for one stage at a time."""
+
+    def __init__(self, stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S) -> None:
+        self.stall_timeout = stall_timeout
+        self.progress = Progress()
+        self._heartbeat: Optional[Heartbeat] = None
+        self._watch: Optional[StallWatch] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._stages = 0
+        self._saved_step: Optional[int] = None
+        self._updating = False  # between on_before_optimizer_step and the batch end: weights half updated
+        self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The strategy pickles (spawn and forkserver send it to each new process, a user may pickle it
+        # after setup): the running heartbeat thread, its store client and the trainer stay here.
+        state = self.__dict__.copy()
+        state.update(_heartbeat=None, _watch=None, _trainer=None)
+        return state
+
+    # ------------------------------------------------------------- strategy side
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Join the callbacks and start the heartbeat (2+ ranks only)."""
+        self._stages += 1
+        env = trainer.strategy.cluster_environment
+        if trainer.world_size < 2 or env is None or not dist.is_initialized():
+            return
+        self._trainer, self.progress, self.ending, self._updating = trainer, Progress(), False, False
+        if self not in trainer.callbacks:
+            trainer.callbacks.insert(0, self)
+        prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
+        try:
+            store = connect_store(env.main_address, env.main_port, prefix)
+        except (RuntimeError, OSError, ValueError) as error:  # e.g. a process group the user made on a file:// store
+            log.warning("custom_ddp: no stall watch and no exit causes: cannot reach the job's TCP store at %s:%s (%s)",
+                        env.main_address, env.main_port, error)
+            return
+        rank = trainer.global_rank
+        heartbeat = Heartbeat(store, rank, trainer.world_size, self.progress, self._on_beat, self._on_store_error)
+        timeout = math.inf if self.stall_timeout is None else float(self.stall_timeout)
+        self._watch = StallWatch(rank, trainer.world_size, timeout, heartbeat.identity, heartbeat.main_stack,
+                                 self.checkpoint_note)
+        self._heartbeat = heartbeat
+        heartbeat.start()
+
+    def detach(self) -> None:
+        self._disconnect()
+        trainer, self._trainer = self._trainer, None
+        if trainer is not None and self in trainer.callbacks:
+            trainer.callbacks.remove(self)
+
+    def _stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat.join(timeout=1.0)  # a store call to a dead host would take STORE_OP_S
+            self._heartbeat = None
+
+    def _disconnect(self) -> None:
+        # Drop every reference to this rank's store client: its socket closes now. Left open until
+        # interpreter exit, rank 0's store server (under Lightning's launchers) waits ~2 s at exit for
+        # the peers' heartbeat connections while those peers wait for rank 0 to exit first.
+        self._stop()
+        self._watch = None
+
+    def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
+        if self._watch is not None:
+            self._watch(records, store)
+
+    def _on_store_error(self, error: Exception) -> None:
+        if self._watch is not None:
+            self._watch.on_store_error(error)
+
+    def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None) -> str:
+        """Write the last checkpoint if this rank can (see :meth:`save_last`); the report's line on what to resume."""
+        trainer = self._trainer
+        if trainer is None:
+            return "no checkpoint: the stage is over"
+        # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
+        waiting = own_record is not None and own_record.get("collective") and not own_record.get("busy")
+        return self.save_last(trainer) if waiting else self._newest_note(trainer, "this rank's main thread is not "
+                                                                                   "parked in a collective")
+
+    def save_last(self, trainer: pl.Trainer) -> str:
+        """On a stall or a peer's failure: rank 0 writes the checkpoint of the last completed optimizer step.
+
+        Only when the state is the same on every rank: fitting, outside the optimizer update (between
+        ``on_before_optimizer_step`` and the batch end the update may be half done), without ZeRO-1
+        (the optimizer state's shards on a dead rank cannot be consolidated). The save's barrier is
+        skipped (:attr:`ending`): there is no peer left to meet. Otherwise the note names the newest
+        periodic checkpoint.
+        """
+        why = self._cannot_save(trainer)
+        if why:
+            return self._newest_note(trainer, why)
+        path = stop_checkpoint_path(trainer)
+        self.ending = True
+        try:
+            if os.path.islink(path):
+                os.remove(path)  # save_last="link": write a file, not through the link
+            trainer.save_checkpoint(path)
+        except Exception as error:  # noqa: BLE001 - the job ends either way; say what happened
+            return self._newest_note(trainer, f"writing {path} failed: {type(error).__name__}: {error}")
+        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by rank 0: {path} "
+                f"(resume: --ckpt_path {path} or --ckpt_path last)")
+
+    def _cannot_save(self, trainer: pl.Trainer) -> Optional[str]:
+        if not trainer.is_global_zero:
+            return "only rank 0 writes checkpoints and it is not among the healthy ranks"
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
+        if getattr(getattr(trainer.strategy, "options", None), "zero1", False):
+            return "zero1: part of the optimizer state is sharded on the stalled or failed rank"
+        if self._updating:
+            return "the fault came inside an optimizer update: the weights may differ between ranks"
+        if self._saved_step == trainer.global_step:
+            return "the newest checkpoint already holds this step"
+        return None
+
+    def _newest_note(self, trainer: pl.Trainer, why: str) -> str:
+        callback = trainer.checkpoint_callback
+        dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else None
+        files = glob.glob(os.path.join(dirpath, "*.ckpt")) if dirpath else []
+        if not files:
+            return f"no checkpoint written ({why}) and none before"
+        newest = max(files, key=os.path.getmtime)
+        step = f" (step {self._saved_step})" if self._saved_step is not None else ""
+        return f"no checkpoint written ({why}); newest checkpoint: {newest}{step}; resume: --ckpt_path {newest}"
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and trainer.is_global_zero and self._heartbeat is not None:
+            log.warning("custom_ddp: %s", self._restart_line(trainer, restart))
+
+    def _restart_line(self, trainer: pl.Trainer, restart: int) -> str:
+        """Steps re-done by this torchrun restart: the failed attempt's furthest step (its records in the
+        agent's store, which outlives the workers) minus the step this attempt resumed at."""
+        env = trainer.strategy.cluster_environment
+        reached = []
+        try:
+            previous = connect_store(env.main_address, env.main_port, f"custom_ddp/{restart - 1}/{self._stages}/")
+            for key in [f"{kind}/{rank}" for kind in ("hb", "exit") for rank in range(trainer.world_size)]:
+                if previous.check([key]):
+                    reached.append(json.loads(previous.get(key))["where"].get("step"))
+        except (RuntimeError, OSError, ValueError, KeyError):
+            pass
+        steps = [step for step in reached if isinstance(step, int)]
+        head = f"torchrun restart {restart}: resumed at optimizer step {trainer.global_step}"
+        if not steps:
+            return f"{head} (the failed attempt's progress is unknown)"
+        lost = max(0, max(steps) - trainer.global_step)
+        return f"{head}; the failed attempt had reached step {max(steps)}: {lost} step(s) re-done"
+
+    # ------------------------------------------------------------- progress markers
+
+    def _mark(self, trainer: pl.Trainer, stage: str, batch_idx: Optional[int] = None) -> None:
+        where = {"stage": stage, "epoch": trainer.current_epoch}
+        if batch_idx is not None:
+            where["batch"] = batch_idx
+        where["step"] = trainer.global_step
+        self.progress.mark(**where)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._mark(trainer, "train", batch_idx)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._updating = False
+        self._mark(trainer, "train", batch_idx)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._updating = True
+        self.progress.mark(**{**self.progress.where, "optimizer_step": trainer.global_step + 1})
+
+    def _eval_mark(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        stage = "sanity check" if trainer.sanity_checking else trainer.state.stage.value if trainer.state.stage \
+            else "evaluation"
+        self._mark(trainer, stage, batch_idx)
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_mark(trainer, batch_idx)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._saved_step = trainer.global_step
+
+    # ------------------------------------------------------------- exit causes
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        heartbeat = self._heartbeat
+        self._stop()  # this rank is on its way out: its silence is no stall
+        if heartbeat is None:
+            return
+        write_exit_record(heartbeat.store, trainer.global_rank, exception, self.progress.where)
+        if not is_peer_loss(exception) or self._watch is None:
+            return
+        lines = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
+                            heartbeat.identity["host"])
+        if trainer.is_global_zero:
+            lines.append(f"custom_ddp: {self.save_last(trainer)}")
+        for line in lines:
+            exception.add_note(line)
+            log.error("%s", line)

@@ -1,0 +1,181 @@
+"""Stall detection, exit causes and ``--ckpt_path=last`` (issue 23), in one process.
+
+The real faults (SIGSTOP, an endless loop, a blocked DataLoader, a slow save, torchrun restarts) run
+on a 2-rank fit in ``tests/test_fault_matrix.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+from jsonargparse import Namespace
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lit_cifar.run_dir import resume_last_version
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
+from strategies.heartbeat import Progress, connect_store, main_thread_state, stack_text
+from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
+from strategies.options import DEFAULT_STALL_TIMEOUT_S
+from strategies.watchdog import Watchdog
+
+STALL = 20.0
+
+
+def _record(rank: int, collective=None, busy=None) -> dict:
+    return {"rank": rank, "pid": 1, "host": "h", "seq": 1, "marks": 1, "where": {"stage": "train", "step": 3},
+            "collective": collective, "busy": busy}
+
+
+def _seen(beat_age: float, mark_age: float, now: float = 1000.0) -> Seen:
+    return Seen(1, now - beat_age, 1, now - mark_age)
+
+
+def test_a_silent_main_thread_outside_a_collective_stalls_its_peer_waiting_in_one_does_not() -> None:
+    records = [_record(0, collective="all_gather(float32[17]) from SyncBN forward"), _record(1)]
+    seen = {0: _seen(0.5, 25.0), 1: _seen(0.5, 25.0)}
+    assert judge(records, seen, 1000.0, STALL)[0] == [1]
+    seen[1] = _seen(0.5, 19.0)
+    assert judge(records, seen, 1000.0, STALL) == ([], "")
+
+
+def test_a_process_without_heartbeat_stalls_even_inside_a_collective() -> None:
+    records = [_record(0, collective="x"), _record(1, collective="y")]
+    stalled, why = judge(records, {0: _seen(0.5, 30.0), 1: _seen(21.0, 30.0)}, 1000.0, STALL)
+    assert stalled == [1] and "no heartbeat for 21.0 s" in why
+
+
+def test_a_busy_phase_extends_the_deadline_but_not_forever() -> None:
+    records = [_record(0, busy="checkpoint save"), _record(1, collective="barrier()")]
+    assert judge(records, {0: _seen(0.5, 2 * STALL), 1: _seen(0.5, 2 * STALL)}, 1000.0, STALL) == ([], "")
+    stalled, why = judge(records, {0: _seen(0.5, BUSY_FACTOR * STALL), 1: _seen(0.5, 50)}, 1000.0, STALL)
+    assert stalled == [0] and "busy in checkpoint save" in why
+
+
+def test_every_rank_silent_in_a_collective_is_a_desync() -> None:
+    records = [_record(0, collective="a"), _record(1, collective="b")]
+    stalled, why = judge(records, {0: _seen(0.5, 21.0), 1: _seen(0.5, 22.0)}, 1000.0, STALL)
+    assert stalled == [0, 1] and "desync" in why
+
+
+def test_main_thread_state_reads_a_blocked_thread_and_a_declared_busy_phase() -> None:
+    progress = Progress()
+    with progress.busy("long validation"):
+        assert progress.declared_busy == "long validation"
+    assert progress.declared_busy is None and progress.marks == 2
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    time.sleep(0.05)
+    frames = [(frame, frame.f_lineno) for frame in _outermost_first(sys._current_frames()[thread.ident])]
+    collective, busy = main_thread_state(frames)
+    release.set()
+    thread.join()
+    assert collective is None and busy is None  # waiting on an Event is no collective
+    assert "in wait" in stack_text(frames)
+
+
+def _outermost_first(frame):
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return list(reversed(frames))
+
+
+@pytest.fixture
+def store_host():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    yield server
+    del server
+
+
+def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(store_host, capfd) -> None:
+    exits: list[int] = []
+    stores = [connect_store("127.0.0.1", store_host.port, "job/") for _ in range(2)]
+    clock = [0.0]
+    watches = [StallWatch(rank, 2, STALL, {"rank": rank, "pid": 10 + rank, "host": "other"}, lambda: "  File x",
+                          lambda record: "newest checkpoint: none", exit=exits.append, clock=lambda: clock[0])
+               for rank in range(2)]
+    records = [_record(0, collective="all_gather(float32[17]) from SyncBN forward"), _record(1)]
+    for watch, store in zip(watches, stores):
+        watch(records, store)
+    clock[0] = STALL + 1
+    records[0] = {**records[0], "seq": 2}
+    records[1] = {**records[1], "seq": 2}
+    threading.Thread(target=watches[1], args=(records, stores[1])).start()  # the stalled rank answers
+    watches[0](records, stores[0])
+    time.sleep(0.3)
+    assert exits == [STALL_EXIT_STATUS, STALL_EXIT_STATUS]
+    report = capfd.readouterr().err
+    assert report.count("custom_ddp stall:") == 1 and "STALLED rank 1" in report and "File x" in report
+
+
+def test_survivors_name_the_rank_that_raised_and_one_killed_without_a_word(store_host) -> None:
+    store = connect_store("127.0.0.1", store_host.port, "job/")
+    write_exit_record(store, 1, RuntimeError("injected fault"), {"stage": "train", "epoch": 1, "step": 15})
+    lines = peer_causes(store, 0, [None, None], "h", wait_s=0.1)
+    assert lines == ["custom_ddp: rank 1 ended first: RuntimeError: injected fault at stage train epoch 1 step 15"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    heartbeat = {**_record(1), "pid": gone.pid, "host": "h"}
+    started = time.monotonic()
+    lines = peer_causes(connect_store("127.0.0.1", store_host.port, "other/"), 0, [None, heartbeat], "h", wait_s=5.0)
+    assert len(lines) == 1 and "rank 1" in lines[0] and "without a word" in lines[0]
+    # No wait for a record a dead process cannot write: Lightning's popen launcher SIGKILLs every rank
+    # within 5 s of a child's failure, and rank 0 still has its last checkpoint to write.
+    assert time.monotonic() - started < 1.0
+
+
+def test_peer_loss_errors_are_recognised() -> None:
+    error = RuntimeError("[../pair.cc:561] Connection closed by peer [127.0.0.1]:33443")
+    assert is_peer_loss(error) and not is_peer_loss(ValueError("bad"))
+    assert cause_text(ValueError("bad\nsecond line")) == "ValueError: bad"
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "10", float("inf")])
+def test_stall_timeout_must_be_positive_seconds(bad) -> None:
+    with pytest.raises(ValueError, match="stall_timeout"):
+        CustomDDPStrategy(stall_timeout=bad)
+    assert CustomDDPStrategy().options.stall_timeout == DEFAULT_STALL_TIMEOUT_S
+    assert CustomDDPStrategy(stall_timeout=None).options.stall_timeout is None
+
+
+def test_ckpt_path_last_pins_the_version_with_the_newest_last_checkpoint(tmp_path: Path) -> None:
+    def trainer() -> Namespace:
+        init = Namespace(save_dir=str(tmp_path), name="lightning_logs", version=None)
+        return Namespace(logger=Namespace(class_path="TensorBoardLogger", init_args=init))
+
+    assert resume_last_version(trainer(), "last") is None  # first run of the job: fresh start
+    for version, age in (("version_0", 100), ("version_1", 0)):
+        path = tmp_path / "lightning_logs" / version / "checkpoints" / "last.ckpt"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    config = trainer()
+    assert resume_last_version(config, "last") == "version_1" and config.logger.init_args.version == "version_1"
+    assert resume_last_version(trainer(), None) is None
+
+
+def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() -> None:
+    def trainer(**changes) -> SimpleNamespace:
+        fields = {"is_global_zero": True, "state": SimpleNamespace(fn=TrainerFn.FITTING), "sanity_checking": False,
+                  "strategy": SimpleNamespace(zero1=False), "global_step": 15}
+        return SimpleNamespace(**{**fields, **changes})
+
+    watchdog = Watchdog(STALL)
+    assert watchdog._cannot_save(trainer()) is None
+    assert "only rank 0" in watchdog._cannot_save(trainer(is_global_zero=False))
+    assert "zero1" in watchdog._cannot_save(trainer(strategy=SimpleNamespace(zero1=True)))
+    assert "validate" in watchdog._cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
+    watchdog._updating = True
+    assert "inside an optimizer update" in watchdog._cannot_save(trainer())
