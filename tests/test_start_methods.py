@@ -83,23 +83,33 @@ def _assert_close(actual: Any, expected: Any, what: str) -> None:
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-6, msg=what)
 
 
+def _assert_same_results(custom: dict[str, Any], ddp: dict[str, Any], what: str) -> None:
+    assert custom["strategy"] == "CustomDDPStrategy" and ddp["strategy"] == "DDPStrategy"
+    for left, right in zip(custom["weights"], ddp["weights"], strict=True):
+        _assert_close(left, right, f"{what}: fitted weights")
+    for stage in ("validate", "test"):
+        assert custom[stage][0].keys() == ddp[stage][0].keys(), (stage, custom[stage], ddp[stage])
+        for key, value in ddp[stage][0].items():
+            _assert_close(custom[stage][0][key], value, f"{what}: {stage} {key}")
+    assert sorted(custom["predict"], key=int) == sorted(ddp["predict"], key=int) == [str(i) for i in range(64)]
+    for index, value in ddp["predict"].items():
+        _assert_close(custom["predict"][index], value, f"{what}: prediction of sample {index}")
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=[pytest.mark.slow] if name in _SLOW_RUNS else []) for name in CUSTOM_RUNS]
 )
 def test_each_name_and_start_method_runs_every_stage_as_ddp(name: str, tmp_path: Path, ddp_results: _DDPRuns) -> None:
     strategy, start_method, reference = CUSTOM_RUNS[name]
     custom = _run(tmp_path, strategy, start_method)
-    ddp = ddp_results[reference]
-    assert custom["strategy"] == "CustomDDPStrategy" and ddp["strategy"] == "DDPStrategy"
-    for left, right in zip(custom["weights"], ddp["weights"], strict=True):
-        _assert_close(left, right, f"{name}: fitted weights differ from {reference}")
-    for stage in ("validate", "test"):
-        assert custom[stage][0].keys() == ddp[stage][0].keys(), (stage, custom[stage], ddp[stage])
-        for key, value in ddp[stage][0].items():
-            _assert_close(custom[stage][0][key], value, f"{name}: {stage} {key}")
-    assert sorted(custom["predict"], key=int) == sorted(ddp["predict"], key=int) == [str(i) for i in range(64)]
-    for index, value in ddp["predict"].items():
-        _assert_close(custom["predict"][index], value, f"{name}: prediction of sample {index}")
+    try:
+        _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}")
+    except AssertionError:
+        # Lightning's own DDPStrategy(start_method="forkserver") once fitted other weights in a full
+        # suite run (1 of 7 runs; its reruns and custom_ddp's runs all agreed): the reference is run
+        # once more, custom_ddp's result is never retried.
+        del ddp_results[reference]
+        _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}, reference run twice")
 
 
 def test_registered_names_are_the_class_with_a_start_method() -> None:

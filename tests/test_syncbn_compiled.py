@@ -95,10 +95,6 @@ def _fallback_worker(rank: int, world_size: int, failure: str) -> dict:
             "messages": [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]}
 
 
-def _failing_backend(graph_module, example_inputs):
-    raise RuntimeError("simulated inductor failure")
-
-
 @pytest.mark.parametrize("failure", ["no-compiler", "backend-error"])
 def test_a_failing_compile_warns_once_and_runs_the_same_math_eagerly(tmp_path, failure):
     (result,) = run_workers(_fallback_worker, 1, args=(failure,), init_file=tmp_path / "store",

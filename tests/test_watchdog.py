@@ -175,7 +175,7 @@ def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() ->
     watchdog = Watchdog(STALL)
     assert watchdog._cannot_save(trainer()) is None
     assert "only rank 0" in watchdog._cannot_save(trainer(is_global_zero=False))
-    assert "zero1" in watchdog._cannot_save(trainer(strategy=SimpleNamespace(zero1=True)))
+    assert "zero1" in watchdog._cannot_save(trainer(strategy=SimpleNamespace(options=SimpleNamespace(zero1=True))))
     assert "validate" in watchdog._cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
     watchdog._updating = True
     assert "inside an optimizer update" in watchdog._cannot_save(trainer())
