@@ -75,7 +75,6 @@ Watch the runs; the HPARAMS tab compares them by strategy and its options, world
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -98,6 +97,7 @@ from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_d
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
 from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
+from measure.run_info import display_path
 from strategies import CustomDDPStrategy
 from strategies.options import check_init_args
 
@@ -154,12 +154,6 @@ def _expand_strategy_name(argv: list[str]) -> list[str]:
     return expanded
 
 
-def _where(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it (what a reader types), else absolute."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
@@ -184,7 +178,7 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
         data = str(used)
     logger = trainer.logger
     if isinstance(logger, TensorBoardLogger):
-        tensorboard = f"tensorboard --logdir {_where(logger.root_dir)}   (this run: {_where(logger.log_dir)})"
+        tensorboard = f"tensorboard --logdir {display_path(logger.root_dir)}   (this run: {display_path(logger.log_dir)})"
     else:
         tensorboard = "no TensorBoard logger in this run"
     checkpoint = trainer.checkpoint_callback
@@ -197,7 +191,7 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
         f"  validation  {validation}",
         f"  data        {data}",
         f"  TensorBoard {tensorboard}",
-        f"  checkpoint  {_where(saved) if saved else 'none saved'}",
+        f"  checkpoint  {display_path(saved) if saved else 'none saved'}",
         bar,
     ])
 

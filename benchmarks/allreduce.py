@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import (
-    aligned_seconds, fmt_bytes, fmt_value, headline_row, make_record, measure_peak, median_ci, parse, parser,
+    aligned_seconds, fmt_bytes, fmt_value, finish_run, headline_row, measure_peak, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, wait_for_quiet, write_record)
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from benchmarks.launcher import run_workers
@@ -276,10 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compare = run_compare(cfg, args.seed, cores) if "compare" in args.parts else []
     bandwidth = run_bandwidth(cfg, args.device, cores) if "bandwidth" in args.parts else []
     config = cfg | {"seed": args.seed, "device": args.device, "threads_per_process": 1, "cores": cores}
-    record = make_record("allreduce", config, quiet.finish(), argv=argv, compare=compare, bandwidth=bandwidth,
-                         wall_s=time.monotonic() - started)
-    write(record, args.out)
-    return record
+    return finish_run("allreduce", config, quiet, argv, write, args.out, started, compare=compare, bandwidth=bandwidth)
 
 
 if __name__ == "__main__":

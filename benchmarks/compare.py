@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from benchmarks.compare_runs import (
     BASE_CONFIG, REPO_ROOT, VARIANTS, accuracy_run, collectives_run, timing_run, variants_for)
 from benchmarks.harness import (
-    difference_ci, fmt_bytes, fmt_value, headline_row, interleave, make_record, median_ci, parse, parser,
+    difference_ci, finish_run, fmt_bytes, fmt_value, headline_row, interleave, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, share_ci, table, wait_for_quiet, write_record)
 
 # Per net: batch per process, warm-up and timed optimizer steps of a timing run. ResNet-18's CIFAR
@@ -211,11 +211,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     accuracy = {variant: accuracy_run(cfg, variant, accumulate) for variant in ("custom_ddp", "ddp_default")}
     counted = {net: {v: collectives_run(cfg, net, v, max(cfg["accumulates"])) for v in variants_for(net)
                      if VARIANTS[v].processes > 1} for net in cfg["nets"]}
-    record = make_record("compare", cfg, quiet.finish(), argv=argv, timing=timing, accuracy=accuracy,
-                         collectives={"accumulate": max(cfg["accumulates"]), "nets": counted},
-                         variants={k: asdict(v) for k, v in VARIANTS.items()})
-    write(record, Path(cfg["out"]))
-    return record
+    return finish_run("compare", cfg, quiet, argv, write, Path(cfg["out"]), timing=timing, accuracy=accuracy,
+                      collectives={"accumulate": max(cfg["accumulates"]), "nets": counted},
+                      variants={k: asdict(v) for k, v in VARIANTS.items()})
 
 
 if __name__ == "__main__":

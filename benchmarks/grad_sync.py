@@ -32,7 +32,7 @@ import torchvision
 from torch import nn
 
 from benchmarks.harness import (
-    difference_ci, fmt_bytes, fmt_value, headline_row, interleave, make_record, measure_peak, median_ci, parse,
+    difference_ci, finish_run, fmt_bytes, fmt_value, headline_row, interleave, measure_peak, median_ci, parse,
     parser, plot_estimates, ratio_ci, report, share_ci, slowest_rank, table, wait_for_quiet, write_record)
 from measure.collective_count import Window, count_collectives
 from measure.memory import return_freed_memory_above
@@ -48,6 +48,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
     NO_COMM: ("sdp", {"mode": "bucketed"}), SINGLE: ("single", {}),
     **{mode: ("sdp", {"mode": mode}) for mode in ("per_param", "flat", "per_param_overlap")},
     **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap}) for cap in (1, 10, 25, 100, 1000)},
+    # The first bucket by backend (gloo: as large as the others) against torch DDP's 1 MiB first bucket.
+    "bucketed_25mb_first1mb": ("sdp", {"mode": "bucketed", "first_bucket_cap_mb": 1.0}),
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
     "ddp_default": ("ddp", {"gradient_as_bucket_view": False}),  # everything else: torch's defaults
@@ -291,10 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              for m in args.models for n in (2, 4) for per_rank in [_run(zero_worker, None, m, cfg, world_size=n)]]
     config = cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu",
                     "optimizer": "SGD(lr=0.01, momentum=0.9)", "variants": {v: VARIANTS[v] for v in variants}}
-    record = make_record("grad_sync", config, quiet.finish(), argv=argv, wall_s=time.monotonic() - started,
-                         steps=steps, zero1=zero1)
-    write(record, args.out)
-    return record
+    return finish_run("grad_sync", config, quiet, argv, write, args.out, started, steps=steps, zero1=zero1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import json
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
@@ -33,8 +34,8 @@ from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
 from measure.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
 from measure.timing import aligned_seconds, slowest_rank
 
-__all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "fmt_bytes", "fmt_value",
-           "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",
+__all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
+           "fmt_value", "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",
            "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds",
            "verdict", "wait_for_quiet", "write_record"]
 
@@ -150,6 +151,18 @@ def make_record(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: 
     return {"schema": SCHEMA, "benchmark": benchmark,
             "command": ("python -m benchmarks." + benchmark + " " + shlex.join(map(str, args))).strip(),
             "config": config, "environment": environment(), "quietness": quiet.as_dict(), **sections}
+
+
+def finish_run(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: Sequence[str] | None,
+               write: Callable[[dict[str, Any], Path], None], out: Path, started: float | None = None,
+               **sections: Any) -> dict[str, Any]:
+    """The end of a benchmark's ``main()``: its record (``wall_s`` since ``started``, a ``time.monotonic()``),
+    written into ``out`` by the benchmark's ``write``; returns the record."""
+    if started is not None:
+        sections["wall_s"] = time.monotonic() - started
+    record = make_record(benchmark, config, quiet.finish(), argv=argv, **sections)
+    write(record, Path(out))
+    return record
 
 
 def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]:

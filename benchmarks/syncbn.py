@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import (
-    aligned_seconds, fmt_bytes, fmt_value, headline_row, make_record, measure_peak, median_ci, parse, parser, plot_estimates, ratio_ci,
-    report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
+    aligned_seconds, finish_run, fmt_bytes, fmt_value, headline_row, measure_peak, median_ci, parse, parser,
+    plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
 from measure.memory import return_freed_memory_above
 from benchmarks.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
@@ -264,11 +264,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = cfg | {"world_size": args.world_size, "backend": backend, "threads": per_rank[0]["threads"],
                     "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
                     "one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
-    record = make_record("syncbn", config, quiet.finish(), argv=argv, wall_s=time.monotonic() - start,
-                         rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
-                         one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
-    write(record, args.out)
-    return record
+    return finish_run("syncbn", config, quiet, argv, write, args.out, start,
+                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
+                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
 
 
 if __name__ == "__main__":

@@ -21,9 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Quietness", "environment", "strategy_options", "to_jsonable", "wait_for_quiet"]
+__all__ = ["Quietness", "display_path", "environment", "strategy_options", "to_jsonable", "wait_for_quiet"]
 
 _PACKAGES = ("torch", "lightning", "torchvision", "torchmetrics", "numpy")
+
+
+def display_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (what a reader types), else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _cpu_model() -> str:

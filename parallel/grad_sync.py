@@ -55,7 +55,7 @@ from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buc
 from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
 from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, WIRE_DTYPES, GradSyncConfig
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, WIRE_DTYPES, GradSyncConfig
 
 __all__ = ["SyncedDataParallel"]
 
@@ -71,8 +71,10 @@ class SyncedDataParallel(nn.Module):
             initialised ``torch.distributed`` the wrapper runs as world size 1.
         mode: ``"bucketed"``, ``"flat"``, ``"per_param"`` or ``"per_param_overlap"``.
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
-        first_bucket_cap_mb: Cap of the first (last-layer) bucket in ``"bucketed"``, small so
-            the first all-reduce starts early in backward.
+        first_bucket_cap_mb: Cap of the first (last-layer) bucket in ``"bucketed"``. ``None``: by
+            the group's backend (:func:`parallel.sync_config.first_bucket_cap_for`): torch DDP's
+            1 MiB on NCCL, so the first all-reduce starts early in backward; ``bucket_cap_mb`` on
+            gloo, whose reduction shares the CPU cores with backward (one collective fewer).
         grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: reduce fp32/fp64 buckets in that
             dtype (half the bytes on the wire; precision and range in
             :data:`parallel.sync_config.GradCompression`).
@@ -89,7 +91,7 @@ class SyncedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         mode: str = "bucketed",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float | None = None,
         grad_compression: str | None = None,
         broadcast_init: bool = True,
         carry_rank_status: bool = False,
@@ -100,6 +102,7 @@ class SyncedDataParallel(nn.Module):
         self.module = module
         self._process_group = process_group
         self._world_size = group_world_size(process_group)
+        self._backend = dist.get_backend(process_group) if self._world_size > 1 else "gloo"
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
         self._status_slots = self._world_size if carry_rank_status else 0
@@ -126,7 +129,8 @@ class SyncedDataParallel(nn.Module):
         trainable = [p for p in self._params if p.requires_grad][::-1]
         dense = [p for p in trainable if p not in sparse]
         self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
-        self._buckets = build_buckets(dense, assign_buckets(dense, *self._config.caps), self._status_slots)
+        layout = assign_buckets(dense, *self._config.caps(self._backend))
+        self._buckets = build_buckets(dense, layout, self._status_slots)
         log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._config.mode, self._world_size,
                   describe_buckets(self._buckets, self.module))
         self._hook_handles = [

@@ -27,7 +27,7 @@ process group exists: the strategy sets torch's debug level in ``setup_environme
 
 from __future__ import annotations
 
-import os
+import logging
 import traceback
 from datetime import timedelta
 from types import FrameType, TracebackType
@@ -36,7 +36,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_desync_option", "enable_desync_check", "is_desync_error", "own_side", "report_desync"]
+from measure.run_info import display_path
+
+__all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "report_desync"]
+
+log = logging.getLogger(__name__)
 
 _MARKERS = ("Detected mismatch between collectives", "failed to pass monitoredBarrier")
 _COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -55,11 +59,6 @@ _SOURCES = (
     ("parallel/zero.py", "", "ZeRO-1 optimizer"),
 )
 _STORE_WAIT_S = 3.0
-
-
-def check_desync_option(desync_check: object) -> None:
-    if not isinstance(desync_check, bool):
-        raise ValueError(f"CustomDDPStrategy: desync_check={desync_check!r} must be a bool")
 
 
 def enable_desync_check() -> None:
@@ -100,11 +99,6 @@ def _collective_call(frames: list[tuple[FrameType, int]]) -> str:
     return "a collective"
 
 
-def _relative(path: str) -> str:
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
 def _is_library(path: str) -> bool:
     return "/site-packages/" in path or "/lib/python" in path or path.startswith("<")
 
@@ -124,7 +118,7 @@ def _source(frames: list[tuple[FrameType, int]]) -> str:
         if "/strategies/" in path and not via:
             via = f"strategy.{name} ({path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{lineno}) from "
             continue
-        return f"{via}user code {_relative(path)}:{lineno} in {name}"
+        return f"{via}user code {display_path(path)}:{lineno} in {name}"
     inner = next((f for f, _ in reversed(frames) if "lightning" in f.f_code.co_filename), None)
     return f"Lightning ({inner.f_code.co_name})" if inner is not None else "unknown"
 
@@ -167,3 +161,11 @@ def report_desync(error: BaseException, rank: int, world_size: int, host: str, p
     tail = ("  Look for a collective only some ranks reach: a branch on the rank, a step one rank skips, "
             "self.log(..., sync_dist=True) in a rank-dependent branch.")
     return "\n".join([head, *(f"  {side}" for side in sides), tail])
+
+
+def log_desync(error: BaseException, rank: int, world_size: int, environment: Any) -> None:
+    """On an exception: log :func:`report_desync`'s message when ``error`` is torch's desync error
+    (``environment``: the strategy's cluster environment, whose store the ranks exchange sides in)."""
+    message = report_desync(error, rank, world_size, environment.main_address, environment.main_port)
+    if message is not None:
+        log.error(message)

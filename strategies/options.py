@@ -10,8 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, GradCompression, GradSyncConfig,
-                                  SyncMode, sync_option_problems)
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradSyncConfig, SyncMode, sync_option_problems
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
 
@@ -28,15 +27,16 @@ _BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_c
 @dataclass(frozen=True)
 class CustomDDPOptions:
     """``CustomDDPStrategy``'s own options, validated once at construction: one ``ValueError`` lists
-    every bad value with its fix. Adding an option: a field here (+ its check), a parameter of the
-    strategy, and its use. The fields' meanings are in the strategy's docstring."""
+    every bad value with its fix. Adding an option: a field here (+ its check), and in
+    ``strategies/custom_ddp.py`` a parameter of the strategy (one docstring line) and its use.
+    The fields' meanings are in the strategy's docstring and the README's option table."""
 
     sync_batchnorm: bool = True
     syncbn_group_size: Optional[int] = None
     syncbn_compile: bool = False
     sync_mode: SyncMode = "bucketed"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB
+    first_bucket_cap_mb: Optional[float] = None  # by backend: parallel.sync_config.first_bucket_cap_for
     grad_compression: Optional[GradCompression] = None
     zero1: bool = False
     scatter_eval: bool = True
@@ -56,12 +56,18 @@ class CustomDDPOptions:
         if problems:
             raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
-        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
+        if self.first_bucket_cap_mb is not None:
+            object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
 
     @property
     def grad_sync(self) -> GradSyncConfig:
         """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments)."""
         return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression)
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> CustomDDPOptions:
+        """The options among ``arguments`` (the strategy's ``locals()``, a parsed config); others are ignored."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})
 
     def as_dict(self) -> dict[str, Any]:
         """Every option by name, for logs, hyperparameters and benchmark records."""
@@ -71,7 +77,7 @@ class CustomDDPOptions:
 def check_init_args(init_args: Mapping[str, Any]) -> None:
     """The strategy constructor's option checks on its arguments, without building it (``train.py``
     runs them on the parsed config, where jsonargparse would bury the error in a report of a Union)."""
-    CustomDDPOptions(**{f.name: init_args[f.name] for f in fields(CustomDDPOptions) if f.name in init_args})
+    CustomDDPOptions.pick(init_args)
     if "timeout" in init_args:
         as_timedelta(init_args["timeout"])
 

@@ -10,11 +10,14 @@ the strategy adds to the Trainer in ``setup`` and removes in ``teardown``).
 
 During ``fit`` (sanity check and validation included):
 
-1. The handler only records the signal (:class:`~strategies.stop_signals.SignalRecorder`) and
-   sets this rank's status in the gradient all-reduce (``SyncedDataParallel.set_rank_status``).
-2. That all-reduce runs at every optimizer step on every rank, in the same order: after it every
-   rank holds every rank's status, so all ranks see the stop at the same optimizer step, whichever
-   rank(s) got the signal. No collective is added: the value rides in the last gradient bucket.
+1. The handler only records the signal (:class:`~strategies.stop_signals.SignalRecorder`);
+   :class:`Preemption` owns the stop state: this rank's signal (:attr:`Preemption.local_status`)
+   and, once agreed, every rank's.
+2. Before each backward the strategy hands :attr:`~Preemption.local_status` to the gradient sync
+   (``SyncedDataParallel.set_rank_status``); its all-reduce runs at every optimizer step on every
+   rank, in the same order, and the strategy hands the result back (:meth:`Preemption.agree`):
+   every rank sees the stop at the same optimizer step, whichever rank(s) got the signal. No
+   collective is added: the value rides in the last gradient bucket.
 3. At the end of that training batch (``on_train_batch_end``, where ``ModelCheckpoint``'s
    ``every_n_train_steps`` saves and from where Lightning resumes mid-epoch) every rank writes the
    checkpoint ``<ModelCheckpoint.dirpath>/last.ckpt`` (``<default_root_dir>/preempted.ckpt``
@@ -45,18 +48,20 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from parallel.grad_sync import SyncedDataParallel
 from strategies.stop_signals import SignalRecorder, StopOnSignal, exit_status, signal_name, write_stderr
+
+if TYPE_CHECKING:  # a type only; the launcher comes from the strategy
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 __all__ = ["Preemption", "stop_checkpoint_path"]
 
@@ -75,14 +80,14 @@ def stop_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "preempted.ckpt")
 
 
-def _stop_signals(trainer: pl.Trainer) -> list[int]:
+def _stop_signals(environment: Optional[ClusterEnvironment]) -> list[int]:
     """SIGTERM always; SIGINT while it raises KeyboardInterrupt; SIGUSR1 (SLURM's requeue signal)
     where it would kill the process or Lightning's requeue handler (which saves a checkpoint, with
     a barrier, inside the handler) would take it. Handlers a user installed stay."""
     signums = [signal.SIGTERM]
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signums.append(signal.SIGINT)
-    env = trainer.strategy.cluster_environment
+    env = environment
     if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
         signums.append(env.requeue_signal)
         rank_zero_info(f"custom_ddp: {signal_name(env.requeue_signal)} stops every rank with a checkpoint; Lightning's "
@@ -92,14 +97,13 @@ def _stop_signals(trainer: pl.Trainer) -> list[int]:
     return signums
 
 
-def _is_popen_child(trainer: pl.Trainer) -> bool:
+def _is_popen_child(launcher: Optional["_Launcher"], environment: Optional[ClusterEnvironment], local_rank: int) -> bool:
     """Whether this rank was started by Lightning's popen launcher from local rank 0 of its node."""
     # Private class: listed in strategies.lightning_seams, checked at setup.
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    strategy = trainer.strategy
-    return (isinstance(strategy.launcher, _SubprocessScriptLauncher)
-            and type(strategy.cluster_environment) is LightningEnvironment and trainer.local_rank > 0)
+    return (isinstance(launcher, _SubprocessScriptLauncher) and type(environment) is LightningEnvironment
+            and local_rank > 0)
 
 
 def _wait_until_reparented(parent: int, timeout_s: float) -> None:
@@ -108,7 +112,7 @@ def _wait_until_reparented(parent: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _exit_after_parent(trainer: pl.Trainer, fitting: bool) -> None:
+def _exit_after_parent(popen_child: bool, fitting: bool) -> None:
     """In a popen child, let local rank 0 exit first (at interpreter exit, bounded).
 
     Local rank 0 of Lightning's popen launcher runs a watcher thread that, every 5 s, SIGKILLs all
@@ -116,15 +120,17 @@ def _exit_after_parent(trainer: pl.Trainer, fitting: bool) -> None:
     coordinated stop could get rank 0 killed while it still finalises its loggers, and rank 0's
     status (the one a scheduler reads) would become 137.
     """
-    if _is_popen_child(trainer):
+    if popen_child:
         atexit.register(_wait_until_reparented, os.getppid(), _PARENT_EXIT_WAIT_S[fitting])
 
 
 class Preemption(Callback):
     """Signals stop every rank at the same optimizer step with a checkpoint (see the module docstring).
 
-    Used by ``CustomDDPStrategy``: :meth:`attach` in ``setup``, :meth:`after_gradient_sync` in
-    ``post_backward``, :meth:`detach` in ``teardown``. Stateless in checkpoints.
+    Used by ``CustomDDPStrategy``: :meth:`attach` in ``setup``, :attr:`local_status` in
+    ``pre_backward``, :meth:`agree` in ``post_backward``, :meth:`detach` in ``teardown``. The
+    strategy hands in what this needs (cluster environment, launcher) and the gradient sync's
+    result; nothing here reads the strategy or its model back. Stateless in checkpoints.
     """
 
     def __init__(self) -> None:
@@ -133,26 +139,35 @@ class Preemption(Callback):
         self._stop: Optional[tuple[int, ...]] = None  # every rank's signal, agreed at one step
         self._checked = False  # handler verified in place at the first batch of the stage
         self._trainer: Optional[pl.Trainer] = None
+        self._environment: Optional[ClusterEnvironment] = None
+        self._launcher: Optional["_Launcher"] = None
 
     # ------------------------------------------------------------- strategy side
 
-    def attach(self, trainer: pl.Trainer) -> None:
+    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment],
+               launcher: Optional["_Launcher"]) -> None:
         """Join ``trainer``'s callbacks, ahead of the checkpoint callbacks (Lightning keeps those last)."""
         self._stop, self._checked, self._trainer = None, False, trainer
+        self._environment, self._launcher = environment, launcher
         if self not in trainer.callbacks:
             first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),
                                     len(trainer.callbacks))
             trainer.callbacks.insert(first_checkpoint, self)
 
-    def after_gradient_sync(self, model: SyncedDataParallel) -> None:
-        """Read every rank's status from the step's all-reduce: the same on every rank."""
-        status = model.rank_status
+    @property
+    def local_status(self) -> int:
+        """This rank's value for the next gradient all-reduce: the signal it got while fitting, else 0."""
+        return self._recorder.signum if self._fitting else 0
+
+    def agree(self, status: Optional[tuple[int, ...]]) -> None:
+        """Every rank's :attr:`local_status` as the step's all-reduce delivered it: the same on every rank."""
         if self._fitting and status is not None and any(status):
             self._stop = status
 
     def detach(self) -> None:
         """Restore the replaced handlers and leave the callbacks (Lightning then restores its originals)."""
         trainer, self._trainer = self._trainer, None
+        self._environment, self._launcher = None, None
         if trainer is None:
             return
         signum = self._recorder.signum
@@ -172,22 +187,19 @@ class Preemption(Callback):
         if self._recorder.installed:
             return
         self._fitting = trainer.state.fn == TrainerFn.FITTING
-        rank, model = trainer.global_rank, trainer.strategy.model
+        rank, launcher = trainer.global_rank, self._launcher
 
         def on_first(signum: int) -> None:
-            if self._fitting:
-                if isinstance(model, SyncedDataParallel):
-                    model.set_rank_status(signum)
+            if self._fitting:  # the strategy hands local_status to the next gradient all-reduce
                 write_stderr(f"custom_ddp: rank {rank} received {signal_name(signum)}: every rank stops after the "
                              "next optimizer step and saves a checkpoint")
                 return
             write_stderr(f"custom_ddp: rank {rank} received {signal_name(signum)} during {trainer.state.fn.value}: "
                          "stopping after this batch")
-            launcher = trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)  # the ranks this process started (popen rank 0); a local call
 
-        self._recorder.install(_stop_signals(trainer), on_first)
+        self._recorder.install(_stop_signals(self._environment), on_first)
 
     def _check_installed(self, trainer: pl.Trainer) -> None:
         if self._checked:
@@ -245,8 +257,11 @@ class Preemption(Callback):
             log.warning("custom_ddp: %s: all %d ranks stopped after optimizer step %d (epoch %d, batch %d); "
                         "checkpoint %s (resume: --ckpt_path %s); exit status %d", got, trainer.world_size,
                         trainer.global_step, trainer.current_epoch, batch_idx, path, path, exit_status(signum))
-        _exit_after_parent(trainer, fitting=True)
+        _exit_after_parent(self._popen_child(trainer), fitting=True)
         raise StopOnSignal(signum, ranks, path)
+
+    def _popen_child(self, trainer: pl.Trainer) -> bool:
+        return _is_popen_child(self._launcher, self._environment, trainer.local_rank)
 
     def _stop_evaluation(self, trainer: pl.Trainer) -> None:
         self._check_installed(trainer)
@@ -257,7 +272,7 @@ class Preemption(Callback):
                     "save); exit status %d", signal_name(signum), trainer.global_rank, trainer.state.fn.value,
                     exit_status(signum))
         self._stop = (signum,)
-        _exit_after_parent(trainer, fitting=False)
+        _exit_after_parent(self._popen_child(trainer), fitting=False)
         raise StopOnSignal(signum, [trainer.global_rank], None)
 
     @override

@@ -1,7 +1,9 @@
 """``custom_ddp``'s watchdog: progress markers from Lightning's hooks, stall detection, exit causes.
 
 A callback the strategy adds in ``setup`` and removes in ``teardown`` (like
-:class:`~strategies.preemption.Preemption`). While a stage runs on 2+ ranks it
+:class:`~strategies.preemption.Preemption`); the strategy hands it the cluster environment and
+whether optimizer state is sharded, and it never reads the strategy back. While a stage runs on
+2+ ranks it
 
 - starts this rank's :class:`~strategies.heartbeat.Heartbeat` thread on a new client connection
   to the job's TCP store (``cluster_environment.main_address:main_port``: the rendezvous store of
@@ -25,6 +27,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -48,6 +51,8 @@ class Watchdog(Callback):
         self._heartbeat: Optional[Heartbeat] = None
         self._watch: Optional[StallWatch] = None
         self._trainer: Optional[pl.Trainer] = None
+        self._environment: Optional[ClusterEnvironment] = None
+        self._zero1 = False  # optimizer state sharded over ranks: a dead rank's shard cannot be saved
         self._stages = 0
         self._saved_step: Optional[int] = None
         self._updating = False  # between on_before_optimizer_step and the batch end: weights half updated
@@ -57,18 +62,19 @@ class Watchdog(Callback):
         # The strategy pickles (spawn and forkserver send it to each new process, a user may pickle it
         # after setup): the running heartbeat thread, its store client and the trainer stay here.
         state = self.__dict__.copy()
-        state.update(_heartbeat=None, _watch=None, _trainer=None)
+        state.update(_heartbeat=None, _watch=None, _trainer=None, _environment=None)
         return state
 
     # ------------------------------------------------------------- strategy side
 
-    def attach(self, trainer: pl.Trainer) -> None:
+    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment], zero1: bool) -> None:
         """Join the callbacks and start the heartbeat (2+ ranks only)."""
         self._stages += 1
-        env = trainer.strategy.cluster_environment
+        env = environment
         if trainer.world_size < 2 or env is None or not dist.is_initialized():
             return
         self._trainer, self.progress, self.ending, self._updating = trainer, Progress(), False, False
+        self._environment, self._zero1 = env, zero1
         if self not in trainer.callbacks:
             trainer.callbacks.insert(0, self)
         prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
@@ -88,7 +94,7 @@ class Watchdog(Callback):
 
     def detach(self) -> None:
         self._disconnect()
-        trainer, self._trainer = self._trainer, None
+        trainer, self._trainer, self._environment = self._trainer, None, None
         if trainer is not None and self in trainer.callbacks:
             trainer.callbacks.remove(self)
 
@@ -151,7 +157,7 @@ class Watchdog(Callback):
             return "only rank 0 writes checkpoints and it is not among the healthy ranks"
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
-        if getattr(getattr(trainer.strategy, "options", None), "zero1", False):
+        if self._zero1:
             return "zero1: part of the optimizer state is sharded on the stalled or failed rank"
         if self._updating:
             return "the fault came inside an optimizer update: the weights may differ between ranks"
@@ -178,7 +184,7 @@ class Watchdog(Callback):
     def _restart_line(self, trainer: pl.Trainer, restart: int) -> str:
         """Steps re-done by this torchrun restart: the failed attempt's furthest step (its records in the
         agent's store, which outlives the workers) minus the step this attempt resumed at."""
-        env = trainer.strategy.cluster_environment
+        env = self._environment
         reached = []
         try:
             previous = connect_store(env.main_address, env.main_port, f"custom_ddp/{restart - 1}/{self._stages}/")

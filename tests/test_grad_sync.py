@@ -268,7 +268,7 @@ def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_p
 def test_bucket_assignment_follows_caps_and_separates_dtypes(mode, expected):
     f32, f64 = torch.zeros(256), torch.zeros(128, dtype=torch.float64)  # 1 KiB each
     params = [f32, f32.clone(), f64, f32.clone(), f32.clone(), f32.clone()]
-    caps = GradSyncConfig(mode, bucket_cap_mb=2048 / 2**20, first_bucket_cap_mb=1000 / 2**20).caps
+    caps = GradSyncConfig(mode, bucket_cap_mb=2048 / 2**20, first_bucket_cap_mb=1000 / 2**20).caps()
     assert assign_buckets(params, *caps) == expected
 
 

@@ -43,6 +43,7 @@ _SLOW_RUNS = ("CustomDDPStrategy(start_method=fork)", "CustomDDPStrategy(start_m
 # machine): a ddp reference run is retried once on it. custom_ddp's workers destroy their process group
 # before exiting (strategies.launchers) and get no retry.
 _GLOO_EXIT_ABORT = "terminate called without an active exception"
+_REFERENCE_RUNS = 3
 
 
 def _run(tmp_dir: Path, strategy: str, start_method: str | None, reference: bool = False) -> dict[str, Any]:
@@ -102,14 +103,18 @@ def _assert_same_results(custom: dict[str, Any], ddp: dict[str, Any], what: str)
 def test_each_name_and_start_method_runs_every_stage_as_ddp(name: str, tmp_path: Path, ddp_results: _DDPRuns) -> None:
     strategy, start_method, reference = CUSTOM_RUNS[name]
     custom = _run(tmp_path, strategy, start_method)
-    try:
-        _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}")
-    except AssertionError:
-        # Lightning's own DDPStrategy(start_method="forkserver") once fitted other weights in a full
-        # suite run (1 of 7 runs; its reruns and custom_ddp's runs all agreed): the reference is run
-        # once more, custom_ddp's result is never retried.
-        del ddp_results[reference]
-        _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}, reference run twice")
+    # Lightning's own DDPStrategy(start_method="forkserver") sometimes fits other weights in a full
+    # suite run (1 of 7 runs in an earlier session; 2 reference runs in a row once on 2026-11-25, both
+    # 0.018 from every other forkserver run while custom_ddp's matched them): the reference is run up to
+    # 3 times; custom_ddp's result is never retried.
+    for attempt in range(1, _REFERENCE_RUNS + 1):
+        try:
+            _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}, reference run {attempt}x")
+            return
+        except AssertionError:
+            if attempt == _REFERENCE_RUNS:
+                raise
+            del ddp_results[reference]
 
 
 def test_registered_names_are_the_class_with_a_start_method() -> None:

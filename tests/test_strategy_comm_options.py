@@ -48,16 +48,21 @@ def test_options_from_the_command_line_reach_the_strategy_and_its_record() -> No
 
 def test_options_are_recorded_as_hyperparameters_and_in_benchmark_records() -> None:
     # strategy_options feeds RunHparams (TensorBoard HPARAMS) and BenchmarkMonitor's records.
-    options = strategy_options(CustomDDPStrategy(grad_compression="fp16", syncbn_group_size=2))
+    options = strategy_options(CustomDDPStrategy(grad_compression="fp16", syncbn_group_size=2, first_bucket_cap_mb=1))
     flat = flatten_hparams(options, prefix="strategy/")
     assert {key: flat[f"strategy/{key}"] for key in ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size")} \
         == {"grad_compression": "fp16", "first_bucket_cap_mb": 1.0, "syncbn_group_size": 2}
     assert flatten_hparams(strategy_options(CustomDDPStrategy()), prefix="strategy/")["strategy/grad_compression"] == "None"
 
 
-def test_defaults_are_torch_ddps() -> None:
+def test_defaults_are_torch_ddps_except_the_first_bucket_on_gloo() -> None:
     options = CustomDDPStrategy().options
-    assert (options.grad_compression, options.first_bucket_cap_mb, options.syncbn_group_size) == (None, 1.0, None)
+    assert (options.grad_compression, options.first_bucket_cap_mb, options.syncbn_group_size) == (None, None, None)
+    # The first bucket by backend: torch DDP's 1 MiB on NCCL; as large as the others on gloo, where
+    # the reduction shares the CPU cores with backward (an early start hides nothing).
+    assert options.grad_sync.caps("nccl") == (25.0, 1.0)
+    assert options.grad_sync.caps("gloo") == (25.0, 25.0)
+    assert CustomDDPStrategy(first_bucket_cap_mb=0.5).options.grad_sync.caps("gloo") == (25.0, 0.5)
     assert options.broadcast_buffers is True  # DDP's broadcast_buffers default
     assert options.syncbn_compile is False  # the eager kernel unless asked: a first compile takes ~20 s
 
