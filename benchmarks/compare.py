@@ -2,6 +2,8 @@
 
     python -m benchmarks.compare                              # about 25 minutes on 2 CPU cores
     python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 5 minutes
+    python -m benchmarks.compare --variants custom_ddp_localbn ddp_tuned --timing-only --rounds 6 \
+        --out benchmarks/results/compare_localbn                # the step-time target alone, ~20 minutes
 
 (2 rounds x 3 settings x 15 variants = 90 timed fits of 5-25 s, 11 collective counts of ~10 s, 2
 accuracy fits of ~1 minute, up to 5 minutes of waiting for a quiet machine.) On the template net
@@ -132,6 +134,8 @@ def _tables(record: dict[str, Any]) -> list[str]:
                              [[k, fmt_value(e)] for k, e in row["ratios"].items()]), "",
                       *(f"SyncBN share of the {name} step: {fmt_value(row[key], '%')}." for key, (_, name) in
                         SYNCBN_SHARES.items() if key in row), ""]
+    if not collectives["nets"]:
+        return lines  # --timing-only
     lines += [f"## Collectives per optimizer step at accumulate {collectives['accumulate']}, by source", "",
               "Counted by the profiler on rank 0 (`measure.collective_count`), the last of 3 steps; bytes are this "
               "rank's payload. `lightning_sigterm` is Lightning's own per-batch broadcast, paid by every strategy.", ""]
@@ -154,14 +158,17 @@ def write(record: dict[str, Any], out: Path) -> None:
         record["accuracy"][v] |= {"test_acc1": 100 * log["test/acc1"][-1][1], "test_loss": log["test/loss"][-1][1]}
     record["analysis"] = analyse(record["timing"], variants)
     record["headline"] = headline(record)
-    body = ["## Variants", "", *[f"- **{v['label']}** (`{k}`): {v['description']}" for k, v in variants.items()], "",
+    timed = cfg.get("variants", list(variants))  # records before --variants timed every variant
+    body = ["## Variants", "", *[f"- **{v['label']}** (`{k}`): {v['description']}" for k, v in variants.items()
+                                 if k in timed], "",
             f"Timing: {cfg['rounds']} rounds per setting; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}.",
-            "", "## Step time", "", *_tables(record), "## Accuracy (same seed, data and schedule; SYNTHETIC data)", "",
-            *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
-                   [[variants[v]["label"], cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
-                     f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
-            f"![step time](step_time.png) ![curves](curves.png) `tensorboard --logdir {cfg['out']}/tb` shows the "
-            "accuracy runs side by side."]
+            "", "## Step time", "", *_tables(record)]
+    body += ["## Accuracy (same seed, data and schedule; SYNTHETIC data)", "",
+             *table(["variant", "epochs", "accumulate", "final test top-1 (%)", "final test loss"],
+                    [[variants[v]["label"], cfg["accuracy_epochs"], a["accumulate"], f"{a['test_acc1']:.1f}",
+                      f"{a['test_loss']:.3f}"] for v, a in record["accuracy"].items()]), "",
+             f"![step time](step_time.png) ![curves](curves.png) `tensorboard --logdir {cfg['out']}/tb` shows the "
+             "accuracy runs side by side."] if record["accuracy"] else ["![step time](step_time.png)"]
     write_record(out, record, report(record, TITLE, body))
     panels = [{"title": f"{net} net", "ylabel": "optimizer step, ms (median)", "scale": 1e3,
                "groups": [f"accumulate {acc}" for acc in by_acc],
@@ -169,6 +176,8 @@ def write(record: dict[str, Any], out: Path) -> None:
               for net, by_acc in record["analysis"].items()]
     plot_estimates(out / "step_time.png", panels, "step time; 2 CPU processes, ddp with local BN on CPU",
                    record["quietness"]["comparable"])
+    if not curves:
+        return  # --timing-only
     epochs = max((len(series.get("val/loss", [])) for series in curves.values()), default=1)
     panels = [{"title": f"{title}: SYNTHETIC stand-in data, not CIFAR-100", "ylabel": title, "scale": scale,
                "groups": [f"epoch {e}" for e in range(1, epochs + 1)],
@@ -187,6 +196,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
     p.add_argument("--accumulate", type=int, nargs="+", default=[1, 2, 4], dest="accumulates")
     p.add_argument("--rounds", type=int, default=2, help="interleaved timed fits per variant and setting")
     p.add_argument("--accuracy-epochs", type=int, default=6)
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
+                   help="timed variants (default: all); ratios need both of their variants")
+    p.add_argument("--timing-only", action="store_true", help="skip the accuracy fits and the collective counts")
     args = parse(p, argv)
     if min(*args.accumulates, args.rounds, args.accuracy_epochs) < 1:
         p.error(f"--accumulate, --rounds and --accuracy-epochs must be >= 1, got {args.accumulates}, {args.rounds}, "
@@ -197,7 +209,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
             "nets": {net: NETS[net] | quick for net in args.nets}, "base_config": BASE_CONFIG,
             "accumulates": [2] if args.quick else sorted(set(args.accumulates)), "rounds": 1 if args.quick else
             args.rounds, "accuracy_epochs": 1 if args.quick else args.accuracy_epochs, "train_size": 640 if args.quick
-            else 6_000, "test_size": 64 if args.quick else 1_000, "run_timeout_s": 1800.0}, args.max_wait_s
+            else 6_000, "test_size": 64 if args.quick else 1_000, "run_timeout_s": 1800.0,
+            "variants": args.variants, "timing_only": args.timing_only}, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -205,12 +218,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg, max_wait_s = parse_config(argv)
     os.chdir(REPO_ROOT)  # train.py, its data/ folder and the relative paths of the recorded commands
     quiet = wait_for_quiet(max_wait_s=max_wait_s)
-    timing = {net: {str(acc): interleave(variants_for(net), cfg["rounds"], lambda v, _: timing_run(cfg, net, v, acc))
+    timed = {net: [v for v in variants_for(net) if v in cfg["variants"]] for net in cfg["nets"]}
+    timing = {net: {str(acc): interleave(timed[net], cfg["rounds"], lambda v, _: timing_run(cfg, net, v, acc))
                     for acc in cfg["accumulates"]} for net in cfg["nets"]}
     accumulate = 2 if 2 in cfg["accumulates"] else cfg["accumulates"][0]
-    accuracy = {variant: accuracy_run(cfg, variant, accumulate) for variant in ("custom_ddp", "ddp_default")}
-    counted = {net: {v: collectives_run(cfg, net, v, max(cfg["accumulates"])) for v in variants_for(net)
-                     if VARIANTS[v].processes > 1} for net in cfg["nets"]}
+    extras = not cfg["timing_only"]
+    accuracy = {variant: accuracy_run(cfg, variant, accumulate) for variant in ("custom_ddp", "ddp_default") if extras}
+    counted = {net: {v: collectives_run(cfg, net, v, max(cfg["accumulates"])) for v in timed[net]
+                     if VARIANTS[v].processes > 1} for net in cfg["nets"] if extras}
     return finish_run("compare", cfg, quiet, argv, write, Path(cfg["out"]), timing=timing, accuracy=accuracy,
                       collectives={"accumulate": max(cfg["accumulates"]), "nets": counted},
                       variants={k: asdict(v) for k, v in VARIANTS.items()})

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -98,6 +100,29 @@ def test_second_sigint_interrupts_at_once() -> None:
     finally:
         recorder.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_preemption_owns_the_stop_state_and_never_reads_the_strategy() -> None:
+    # The straight path: signal -> recorder -> local_status (handed to the gradient sync by the
+    # strategy) -> agree(every rank's status) -> the stop. The trainer double has no ``strategy``:
+    # Preemption gets the cluster environment and launcher at attach and reads nothing back.
+    trainer = SimpleNamespace(callbacks=[], state=SimpleNamespace(fn=TrainerFn.FITTING), global_rank=1)
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = Preemption()
+    preemption.attach(trainer, environment=None, launcher=None)
+    assert trainer.callbacks == [preemption]
+    try:
+        preemption.on_train_start(trainer, None)
+        assert preemption._recorder.installed and preemption.local_status == 0
+        signal.raise_signal(signal.SIGTERM)  # recorded only: no collective, no exception
+        assert preemption.local_status == signal.SIGTERM
+        preemption.agree((0, 0))  # a step whose all-reduce carried no signal
+        assert preemption._stop is None
+        preemption.agree((0, int(signal.SIGTERM)))  # the same tuple on every rank
+        assert preemption._stop == (0, signal.SIGTERM)
+    finally:
+        preemption.detach()
+    assert trainer.callbacks == [] and signal.getsignal(signal.SIGTERM) == before
 
 
 def test_exit_status_is_128_plus_signal() -> None:
