@@ -33,7 +33,7 @@ _MP = "lightning.pytorch.strategies.launchers.multiprocessing"
 _POPEN = "lightning.pytorch.strategies.launchers.subprocess_script"
 
 PRIVATE_SEAMS: tuple[Seam, ...] = (
-    Seam(_DDP, "_setup_model", "custom_ddp", "wrap the module in SyncedDataParallel instead of torch DDP"),
+    Seam(_DDP, "_setup_model", "synced_training", "wrap the module in SyncedDataParallel instead of torch DDP"),
     Seam(_DDP, "_configure_launcher", "custom_ddp", "install the one-stage-at-a-time launchers"),
     Seam(_DDP, "_get_process_group_backend", "custom_ddp", "the backend of a torchrun attempt's process group"),
     Seam(None, "Strategy._layer_sync", "custom_ddp", "the connector writes the LayerSync plugin here after __init__"),
