@@ -8,7 +8,8 @@ Run as a script (the popen launcher re-runs ``sys.argv`` per rank; spawn re-impo
 
 Rank 0 of the launching process writes the fitted weights and the validate/test results to
 ``--out`` as JSON; each rank writes its predictions (sample index -> output) to
-``<out>.predict<rank>.json``. With ``--check-pickle`` every rank pickles its strategy after setup
+``<out>.predict<rank>.json``, and rank 0 whether the ranks' weights share memory to
+``<out>.shared.json``. With ``--check-pickle`` every rank pickles its strategy after setup
 (Lightning's own ``ddp`` with popen does not pickle there: its launcher holds the children's locks).
 """
 
@@ -78,6 +79,31 @@ class PredictionsToFile(BasePredictionWriter):
         Path(f"{self._out}.predict{trainer.global_rank}.json").write_text(json.dumps(rows))
 
 
+class WeightSharing(Callback):
+    """Whether rank 0 sees a change rank 1 makes to its own weights (memory shared between the ranks).
+
+    Written by rank 0 to ``<out>.shared.json`` at the start of training; rank 1 restores its weight
+    exactly before any step, so training is unchanged either way.
+    """
+
+    def __init__(self, out: str) -> None:
+        self._out = out
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        param = next(pl_module.parameters())
+        saved = param.detach().clone()
+        trainer.strategy.barrier()
+        if trainer.global_rank == 1:
+            param.data.add_(1000.0)
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0:
+            Path(f"{self._out}.shared.json").write_text(json.dumps(not torch.equal(param.detach(), saved)))
+        trainer.strategy.barrier()
+        if trainer.global_rank == 1:
+            param.data.copy_(saved)
+        trainer.strategy.barrier()
+
+
 class StrategyPickles(Callback):
     """Pickles the strategy on every rank after its setup: spawn pickles it into each new process."""
 
@@ -101,7 +127,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = LoggingBoringModel()
-    callbacks: list[Callback] = [PredictionsToFile(args.out), *([StrategyPickles()] if args.check_pickle else [])]
+    callbacks: list[Callback] = [PredictionsToFile(args.out), WeightSharing(args.out),
+                                 *([StrategyPickles()] if args.check_pickle else [])]
     trainer = Trainer(accelerator="cpu", devices=2, strategy=_strategy(args.strategy, args.start_method),
                       max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
