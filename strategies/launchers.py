@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
-from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning_utilities.core.apply_func import apply_to_collection
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies.launchers.multiprocessing import (_disable_module_memory_sharing,
+                                                                    _MultiProcessingLauncher)
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.nn import Module
 
 import lightning.pytorch as pl
 
@@ -72,13 +70,6 @@ class OneStageSubprocessScriptLauncher(_OneStageAtATime, _SubprocessScriptLaunch
         return state
 
 
-@torch.no_grad()
-def _unshare(module: Module) -> Module:
-    for tensor in (*module.parameters(), *module.buffers()):
-        tensor.data = tensor.data.clone()
-    return module
-
-
 class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher):
     """The fork/spawn/forkserver launcher, one stage at a time (it already holds the strategy).
 
@@ -86,8 +77,9 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     ``torch.multiprocessing`` moves every CPU tensor it pickles into shared memory, so the module's
     parameters would be ONE storage in the main process and in every rank, and every rank's optimizer
     step would also update the other ranks' weights, a race whose result depends on timing. Lightning
-    unshares for spawn only; its ``ddp`` with forkserver keeps the race (its forkserver fits differed
-    from run to run by 0.02 in a full test run; ``tests/test_start_methods.py``).
+    unshares (``_disable_module_memory_sharing``, called here too) for spawn only; its ``ddp`` with
+    forkserver keeps the race (its forkserver fits differed from run to run by 0.02 in a full test run;
+    ``tests/test_start_methods.py``).
 
     A worker that finished its stage destroys its process group before it exits: a spawned worker
     exits through interpreter finalization, where gloo's threads, still alive without
@@ -100,7 +92,7 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
                            kwargs: Any, *rest: Any) -> None:
         if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
-            args, kwargs = apply_to_collection((args, kwargs), dtype=Module, function=_unshare)
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

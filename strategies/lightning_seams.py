@@ -40,6 +40,7 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     Seam(None, "Strategy._start_method / _timeout", "custom_ddp", "DDPStrategy keeps its arguments there"),
     Seam(_MP, "_MultiProcessingLauncher", "launchers", "subclassed: the fork/spawn launcher"),
     Seam(f"{_MP}._MultiProcessingLauncher", "_wrapping_function", "launchers", "a worker's stage, then its exit"),
+    Seam(_MP, "_disable_module_memory_sharing", "launchers", "forkserver workers' own copy of the module (CPU)"),
     Seam(_POPEN, "_SubprocessScriptLauncher", "launchers, preemption", "subclassed: the popen launcher"),
     Seam(None, "LightningModule._trainer", "scatter_eval", "the trainer while loaders are set up (no public path)"),
     Seam("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_broadcast_sigterm_tensor",

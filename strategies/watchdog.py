@@ -70,19 +70,18 @@ class Watchdog(Callback):
     def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment], zero1: bool) -> None:
         """Join the callbacks and start the heartbeat (2+ ranks only)."""
         self._stages += 1
-        env = environment
-        if trainer.world_size < 2 or env is None or not dist.is_initialized():
+        if trainer.world_size < 2 or environment is None or not dist.is_initialized():
             return
         self._trainer, self.progress, self.ending, self._updating = trainer, Progress(), False, False
-        self._environment, self._zero1 = env, zero1
+        self._environment, self._zero1 = environment, zero1
         if self not in trainer.callbacks:
             trainer.callbacks.insert(0, self)
         prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
         try:
-            store = connect_store(env.main_address, env.main_port, prefix)
+            store = connect_store(environment.main_address, environment.main_port, prefix)
         except (RuntimeError, OSError, ValueError) as error:  # e.g. a process group the user made on a file:// store
             log.warning("custom_ddp: no stall watch and no exit causes: cannot reach the job's TCP store at %s:%s (%s)",
-                        env.main_address, env.main_port, error)
+                        environment.main_address, environment.main_port, error)
             return
         rank = trainer.global_rank
         heartbeat = Heartbeat(store, rank, trainer.world_size, self.progress, self._on_beat, self._on_store_error)
