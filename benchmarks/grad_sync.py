@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
     **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap}) for cap in (1, 10, 25, 100, 1000)},
     # The first bucket by backend (gloo: as large as the others) against torch DDP's 1 MiB first bucket.
     "bucketed_25mb_first1mb": ("sdp", {"mode": "bucketed", "first_bucket_cap_mb": 1.0}),
+    # Buckets summed by gloo (TCP loopback) instead of in shared memory (grad_transport="auto" here).
+    "bucketed_25mb_gloo": ("sdp", {"mode": "bucketed", "grad_transport": "process_group"}),
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
     "ddp_default": ("ddp", {"gradient_as_bucket_view": False}),  # everything else: torch's defaults

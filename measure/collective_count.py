@@ -30,7 +30,9 @@ Attribution, first rule that matches:
    uint8 tensor, before each training forward (``broadcast_buffers=True``; none when every buffer
    is a SyncBN statistic), and once before validation / at the end of fit.
 4. ``grad_buckets``: an all_reduce of one tensor whose size equals a gradient bucket of the
-   strategy's ``SyncedDataParallel`` (``model.buckets``, flags included). Another all_reduce of
+   strategy's ``SyncedDataParallel`` (``model.buckets``, flags included). A bucket summed in shared
+   memory (:mod:`parallel.host_reduce`) counts once, at its launch (a profiler label naming the
+   buffer, op ``shared_memory_all_reduce``); the barriers its worker thread runs are not counted. Another all_reduce of
    exactly a bucket's size would be counted here too; none in this project has one.
 5. ``ddp_grad_buckets``: with a torch DDP model, a floating-point all_reduce issued during
    backward (inside the autograd engine: DDP's reducer hooks).
@@ -61,6 +63,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from parallel.buffer_sync import BUFFER_BROADCAST
 from parallel.grad_sync import SyncedDataParallel
+from parallel.host_reduce import WORKER_LABEL, parse_launch_label
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
@@ -183,6 +186,14 @@ def _collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: b
     return Collective(op, kind, source, size, shapes, dtype, root, before_batch)
 
 
+def _shared_memory_collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: bool) -> Collective:
+    """A launch of :class:`parallel.host_reduce.SharedMemoryAllReduce`: one all-reduce of the buffer its label names."""
+    dtype, numel = parse_launch_label(event.name)
+    size = numel * getattr(torch, dtype).itemsize
+    source = _source("all_reduce", ancestors, ((numel,),), dtype, hints)
+    return Collective("shared_memory_all_reduce", "all_reduce", source, size, ((numel,),), dtype, None, before_batch)
+
+
 def _is_sigterm_candidate(c: Collective) -> bool:
     one_int = c.shapes in (((1,),), ((),)) and c.dtype.startswith(("int", "uint", "bool"))
     return c.before_batch and c.kind == "broadcast" and c.source == "other" and one_int and c.root == 0
@@ -201,13 +212,16 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
         name = event.name
         if name == MARKER:
             marker_ns = event.start_time_ns
-        elif name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS:
+        elif name == WORKER_LABEL:  # its barriers are the shared-memory all-reduce counted at launch
+            continue
+        elif (name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS) or parse_launch_label(name):
             found.append((event.start_time_ns, event, ancestors))
             continue
         stack.extend((child, [*ancestors, name]) for child in reversed(event.children))
     found.sort(key=lambda item: item[0])
     collectives = [
-        _collective(event, ancestors, hints, marker_ns is not None and start < marker_ns)
+        (_shared_memory_collective if parse_launch_label(event.name) else _collective)(
+            event, ancestors, hints, marker_ns is not None and start < marker_ns)
         for start, event, ancestors in found
     ]
     sigterm = [i for i, c in enumerate(collectives) if _is_sigterm_candidate(c)]

@@ -24,6 +24,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from parallel.host_reduce import SharedMemoryAllReduce
+
 __all__ = ["Bucket", "assign_buckets", "build_buckets", "describe_buckets", "is_view_of"]
 
 _MB = 1024 * 1024
@@ -50,6 +52,8 @@ class Bucket:
         work: The in-flight all-reduce, if launched and not yet waited on.
         wire: The (possibly compressed) tensor being reduced; ``buffer`` itself when uncompressed.
         status_slots: Elements after the flags that carry one status value per rank (0: none).
+        shared: Every rank's ``buffer`` (this rank's is ``buffer`` itself) when the buffers live in
+            shared memory (:mod:`parallel.host_reduce`); ``None`` otherwise.
     """
 
     index: int
@@ -60,9 +64,10 @@ class Bucket:
     pending: int = 0
     launched: bool = False
     all_used: bool = True
-    work: dist.Work | None = None
+    work: dist.Work | torch.futures.Future | None = None
     wire: torch.Tensor | None = None
     status_slots: int = 0
+    shared: list[torch.Tensor] | None = None
 
     @property
     def flags(self) -> torch.Tensor:
@@ -89,10 +94,15 @@ class Bucket:
         return tuple(int(v) for v in scaled.round().tolist())
 
     def start_all_reduce(self, group: dist.ProcessGroup | None, world_size: int,
-                         wire_dtype: torch.dtype | None = None) -> None:
-        """Start the async sum of ``buffer`` / ``world_size`` over ``group``, in ``wire_dtype`` if given."""
+                         wire_dtype: torch.dtype | None = None, host: SharedMemoryAllReduce | None = None) -> None:
+        """Start the async sum of ``buffer`` / ``world_size`` over ``group``, in ``wire_dtype`` if given;
+        through ``host`` when the buffer is shared (``wire_dtype`` is then ``None``: see host_reduce)."""
         # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
         self.buffer.div_(world_size)
+        if self.shared is not None:
+            assert host is not None and wire_dtype is None, "shared buckets are summed by their SharedMemoryAllReduce"
+            self.work = host.all_reduce(self.shared)
+            return
         wire = self.buffer
         if wire_dtype is not None and wire.dtype in (torch.float32, torch.float64):
             wire = wire.to(wire_dtype)
@@ -104,7 +114,7 @@ class Bucket:
         if self.work is None:
             return
         self.work.wait()
-        if self.wire is not self.buffer:
+        if self.wire is not None and self.wire is not self.buffer:
             self.buffer.copy_(self.wire)
         self.work, self.wire = None, None
 
@@ -150,24 +160,28 @@ def assign_buckets(
 
 
 def build_buckets(
-    params: Sequence[torch.nn.Parameter], groups: list[list[int]], status_slots: int = 0
+    params: Sequence[torch.nn.Parameter], groups: list[list[int]], status_slots: int = 0,
+    host: SharedMemoryAllReduce | None = None,
 ) -> list[Bucket]:
     """Allocate one zeroed flat buffer per group; carve the parameters' gradient views from it.
 
     ``status_slots`` extra elements go to the LAST bucket, the one launched last in every step.
+    With ``host``, the buffers live in shared memory (collective: every rank builds the same layout).
     """
+    members_of = [[params[i] for i in group] for group in groups]
+    slots_of = [status_slots if index == len(groups) - 1 else 0 for index in range(len(groups))]
+    sizes = [(sum(p.numel() for p in members) + len(members) + slots, members[0].dtype)
+             for members, slots in zip(members_of, slots_of)]
+    shared = host.allocate(sizes) if host is not None and groups else [None] * len(groups)
     buckets = []
-    for bucket_index, group in enumerate(groups):
-        members = [params[i] for i in group]
-        numel = sum(p.numel() for p in members)
-        first = members[0]
-        slots = status_slots if bucket_index == len(groups) - 1 else 0
-        buffer = torch.zeros(numel + len(members) + slots, dtype=first.dtype, device=first.device)
+    for bucket_index, (members, slots, (size, dtype), every_rank) in enumerate(zip(members_of, slots_of, sizes, shared)):
+        buffer = (every_rank[host.rank] if host is not None and every_rank is not None
+                  else torch.zeros(size, dtype=dtype, device=members[0].device))
         views, offset = [], 0
         for p in members:
             views.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        bucket = Bucket(bucket_index, members, buffer, views, status_slots=slots)
+        bucket = Bucket(bucket_index, members, buffer, views, status_slots=slots, shared=every_rank)
         bucket.reset()
         buckets.append(bucket)
     return buckets

@@ -54,6 +54,7 @@ from torch.autograd import Variable
 from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets, is_view_of
 from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
+from parallel.host_reduce import open_shared_memory_all_reduce
 from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, WIRE_DTYPES, GradSyncConfig
 
@@ -82,6 +83,10 @@ class SyncedDataParallel(nn.Module):
         carry_rank_status: Reserve one slot per rank in the last bucket for :meth:`set_rank_status`.
         broadcast_buffers: Give every rank rank 0's buffers before each forward with gradients
             enabled (torch DDP's ``broadcast_buffers``); SyncBN statistics are left out.
+        grad_transport: ``"auto"`` (default): buckets of CPU ranks on one host (default gloo group,
+            no compression) live in shared memory and are summed there (:mod:`parallel.host_reduce`),
+            others by ``dist.all_reduce``; ``"process_group"``: always ``dist.all_reduce``;
+            ``"shared_memory"``: shared memory or a ``ValueError`` naming why not.
     """
 
     def __init__(
@@ -96,9 +101,10 @@ class SyncedDataParallel(nn.Module):
         broadcast_init: bool = True,
         carry_rank_status: bool = False,
         broadcast_buffers: bool = True,
+        grad_transport: str = "auto",
     ) -> None:
         super().__init__()
-        self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression)  # validates
+        self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression, grad_transport)
         self.module = module
         self._process_group = process_group
         self._world_size = group_world_size(process_group)
@@ -111,6 +117,8 @@ class SyncedDataParallel(nn.Module):
         self._rank_status: tuple[int, ...] | None = None
         self._buffer_sync = (BufferBroadcast(module, process_group)
                              if broadcast_buffers and self._world_size > 1 else None)
+        self._host = None if self._world_size == 1 else open_shared_memory_all_reduce(
+            grad_transport, process_group, [p.device for p in module.parameters()], grad_compression)
         self._hook_handles: list[Any] = []
         self._build()
         self._sync_enabled = True
@@ -130,7 +138,7 @@ class SyncedDataParallel(nn.Module):
         dense = [p for p in trainable if p not in sparse]
         self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
         layout = assign_buckets(dense, *self._config.caps(self._backend))
-        self._buckets = build_buckets(dense, layout, self._status_slots)
+        self._buckets = build_buckets(dense, layout, self._status_slots, self._host)
         log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._config.mode, self._world_size,
                   describe_buckets(self._buckets, self.module))
         self._hook_handles = [
@@ -150,6 +158,11 @@ class SyncedDataParallel(nn.Module):
     @property
     def grad_compression(self) -> str | None:
         return self._config.grad_compression
+
+    @property
+    def grad_transport(self) -> str:
+        """How the buckets are summed here: ``"shared_memory"`` or ``"process_group"`` (``"auto"`` resolved)."""
+        return "process_group" if self._host is None else "shared_memory"
 
     @property
     def rank_status(self) -> tuple[int, ...] | None:
@@ -236,7 +249,7 @@ class SyncedDataParallel(nn.Module):
             return
         synced = {p for bucket in self._buckets for p in bucket.params} | set(self._sparse.params)
         extra = [p for p in self._params if p.requires_grad and p not in synced]
-        for bucket in build_buckets(extra, assign_buckets(extra, math.inf, math.inf)):
+        for bucket in build_buckets(extra, assign_buckets(extra, math.inf, math.inf), host=self._host):
             self._launch(bucket)
             self._complete(bucket)
 
@@ -245,6 +258,12 @@ class SyncedDataParallel(nn.Module):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+    def close(self) -> None:
+        """Unwrapping for good: the hooks go, and the shared-memory worker thread stops (if any)."""
+        self.remove_hooks()
+        if self._host is not None:
+            self._host.close()
 
     def _arm_finish(self) -> None:
         self._armed = True
@@ -303,7 +322,7 @@ class SyncedDataParallel(nn.Module):
         self._next_launch = bucket.index + 1
         if self._world_size > 1:
             wire_dtype = None if self._config.grad_compression is None else WIRE_DTYPES[self._config.grad_compression]
-            bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype)
+            bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype, self._host)
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s all-reduce and point each parameter's grad at its average."""

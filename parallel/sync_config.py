@@ -16,11 +16,13 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_FIRST_BUCKET_CAP_MB",
     "GRAD_COMPRESSIONS",
+    "GRAD_TRANSPORTS",
     "MODES_LAUNCHED_FROM_HOOKS",
     "SYNC_MODES",
     "WIRE_DTYPES",
     "GradCompression",
     "GradSyncConfig",
+    "GradTransport",
     "SyncMode",
     "first_bucket_cap_for",
     "sync_option_problems",
@@ -38,6 +40,13 @@ range with 8 significant bits (~2.4 digits); fp16 keeps 11 (~3.3 digits) within 
 scaling: a pre-divided gradient beyond that becomes inf) and flushes magnitudes below ~6e-8 to 0."""
 
 GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
+
+GradTransport = Literal["auto", "process_group", "shared_memory"]
+"""How gradient buckets are summed: ``process_group`` (``dist.all_reduce``), ``shared_memory``
+(:mod:`parallel.host_reduce`: CPU ranks of the default gloo group on one host, buffers every rank
+maps), ``auto`` (shared memory where it applies, else the process group)."""
+
+GRAD_TRANSPORTS: tuple[str, ...] = get_args(GradTransport)
 WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Modes whose all-reduces start from gradient hooks during backward (the others start in finish()).
@@ -61,7 +70,8 @@ def first_bucket_cap_for(backend: str, bucket_cap_mb: float) -> float:
 
 
 def sync_option_problems(mode: object, bucket_cap_mb: object, first_bucket_cap_mb: object,
-                         grad_compression: object, *, mode_name: str = "mode") -> list[str]:
+                         grad_compression: object, grad_transport: object = "auto", *,
+                         mode_name: str = "mode") -> list[str]:
     """Every bad gradient-sync option with its fix, one string each (``mode_name``: what the caller's
     users call the mode, e.g. the strategy's ``sync_mode``)."""
     problems = []
@@ -77,6 +87,11 @@ def sync_option_problems(mode: object, bucket_cap_mb: object, first_bucket_cap_m
                             "parameter alone)")
     if grad_compression is not None and grad_compression not in GRAD_COMPRESSIONS:
         problems.append(f"grad_compression={grad_compression!r} must be None or one of {GRAD_COMPRESSIONS}")
+    if grad_transport not in GRAD_TRANSPORTS:
+        problems.append(f"grad_transport={grad_transport!r} must be one of {GRAD_TRANSPORTS} (default 'auto')")
+    elif grad_transport == "shared_memory" and grad_compression is not None:
+        problems.append(f"grad_transport='shared_memory' sums the buckets themselves, so grad_compression="
+                        f"{grad_compression!r} cannot apply: use grad_transport='process_group' to compress")
     return problems
 
 
@@ -91,9 +106,11 @@ class GradSyncConfig:
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     first_bucket_cap_mb: float | None = None  # None: by backend (first_bucket_cap_for)
     grad_compression: GradCompression | None = None
+    grad_transport: GradTransport = "auto"
 
     def __post_init__(self) -> None:
-        problems = sync_option_problems(self.mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression)
+        problems = sync_option_problems(self.mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression,
+                                        self.grad_transport)
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))

@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, SyncMode
+from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTransport, SyncMode
 from strategies.desync import enable_desync_check, log_desync
 from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
 from strategies.launchers import one_stage_launcher
@@ -64,6 +64,7 @@ class CustomDDPStrategy(SyncedTraining, ScatterEvaluation, UnevenGathers, DDPStr
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
         first_bucket_cap_mb: Cap in MiB of the first bucket; ``None``: 1 MiB on NCCL, ``bucket_cap_mb`` on gloo.
         grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce fp32 gradients in that dtype.
+        grad_transport: ``"auto"``: CPU ranks on one host sum buckets in shared memory; ``"process_group"``, ``"shared_memory"``.
         zero1: Shard optimizer state over ranks (ZeRO stage 1).
         scatter_eval: Evaluate each sample once with exact metrics; ``False``: Lightning's ``DistributedSampler``.
         timeout: Collective timeout, a ``timedelta`` or seconds (> 0); ``None``: torch's default.
@@ -92,6 +93,7 @@ class CustomDDPStrategy(SyncedTraining, ScatterEvaluation, UnevenGathers, DDPStr
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         first_bucket_cap_mb: Optional[float] = None,
         grad_compression: Optional[GradCompression] = None,
+        grad_transport: GradTransport = "auto",
         zero1: bool = False,
         scatter_eval: bool = True,
         process_group_backend: Optional[str] = None,

@@ -52,8 +52,9 @@ _BUSY_FRAMES = (
     ("torch/_dynamo/", "", "torch.compile"),
     ("torch/_inductor/", "", "torch.compile"),
 )
-# Innermost frames of a main thread that waits for its peers.
-_WAIT_FRAMES = ("torch/distributed/", "parallel/grad_sync.py")
+# Innermost frames of a main thread that waits for peers: a collective, or a gradient bucket's
+# all-reduce (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future).
+_WAIT_FRAMES = ("torch/distributed/", "torch/futures/", "parallel/grad_sync.py", "parallel/buckets.py")
 
 
 def connect_store(host: str, port: int, prefix: str) -> dist.Store:

@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradSyncConfig, SyncMode, sync_option_problems
+from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, GradCompression, GradSyncConfig, GradTransport, SyncMode,
+                                  sync_option_problems)
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
 
@@ -38,6 +39,7 @@ class CustomDDPOptions:
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     first_bucket_cap_mb: Optional[float] = None  # by backend: parallel.sync_config.first_bucket_cap_for
     grad_compression: Optional[GradCompression] = None
+    grad_transport: GradTransport = "auto"
     zero1: bool = False
     scatter_eval: bool = True
     desync_check: bool = False
@@ -48,7 +50,7 @@ class CustomDDPOptions:
         problems = [f"{name}={getattr(self, name)!r} must be a bool" for name in _BOOLS
                     if not isinstance(getattr(self, name), bool)]
         problems += sync_option_problems(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb,
-                                         self.grad_compression, mode_name="sync_mode")
+                                         self.grad_compression, self.grad_transport, mode_name="sync_mode")
         problems += _syncbn_problems(self.syncbn_group_size, self.syncbn_compile, self.sync_batchnorm)
         if not _is_stall_timeout(self.stall_timeout):
             problems.append(f"stall_timeout={self.stall_timeout!r} must be a number of seconds > 0 (default "
@@ -62,7 +64,8 @@ class CustomDDPOptions:
     @property
     def grad_sync(self) -> GradSyncConfig:
         """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments)."""
-        return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression)
+        return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression,
+                              self.grad_transport)
 
     @classmethod
     def pick(cls, arguments: Mapping[str, Any]) -> CustomDDPOptions:

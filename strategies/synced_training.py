@@ -98,6 +98,6 @@ class SyncedTraining:
     @override
     def teardown(self) -> None:
         if isinstance(self.model, SyncedDataParallel):
-            self.model.remove_hooks()
+            self.model.close()
             self.model = self.lightning_module
         super().teardown()  # type: ignore[misc]

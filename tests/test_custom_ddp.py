@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import strategies  # noqa: F401  (registers "custom_ddp")
+from parallel.host_reduce import parse_launch_label
 from strategies.custom_ddp import CustomDDPStrategy
 
 WORLD_SIZE = 2
@@ -138,7 +139,8 @@ class _CountGradCollectives(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._profiler.__exit__(None, None, None)
-        self.counts.append(sum(e.count for e in self._profiler.key_averages() if e.key == "c10d::allreduce_"))
+        self.counts.append(sum(e.count for e in self._profiler.key_averages()  # gloo's, or shared-memory launches
+                               if e.key == "c10d::allreduce_" or parse_launch_label(e.key)))
 
     def on_train_end(self, trainer, pl_module) -> None:
         record = {"counts": self.counts, "buckets": len(trainer.strategy.model.buckets)}

@@ -12,12 +12,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from parallel.buckets import assign_buckets
 from parallel.sync_config import SYNC_MODES, GradSyncConfig
 from parallel.grad_sync import SyncedDataParallel
+from parallel.host_reduce import parse_launch_label
 from benchmarks.launcher import run_workers
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.0005}
 _WORLD_SIZE = 2
 _STEPS = 3
+_TRANSPORTS = ("process_group", "shared_memory")  # "auto" is shared_memory here (CPU, one host)
 
 
 class _Net(nn.Module):
@@ -129,12 +131,12 @@ def _assert_close_to_reference(result: dict, reference: dict, atol: float, rtol:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("transport", _TRANSPORTS)
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("mode", SYNC_MODES)
-def test_two_rank_training_matches_single_process(tmp_path, mode, k):
-    results = run_workers(
-        _train_synced, _WORLD_SIZE, args=(mode, k, torch.float64, {}), init_file=tmp_path / "store"
-    )
+def test_two_rank_training_matches_single_process(tmp_path, mode, k, transport):
+    options = {"grad_transport": transport}
+    results = run_workers(_train_synced, _WORLD_SIZE, args=(mode, k, torch.float64, options), init_file=tmp_path / "store")
     reference = _train_reference(_WORLD_SIZE, k)
     # Unused everywhere -> None; used by one rank only -> averaged on both; frozen -> None.
     assert reference["never_used.weight"][1] is None and reference["branch.weight"][1] is None
@@ -143,11 +145,13 @@ def test_two_rank_training_matches_single_process(tmp_path, mode, k):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("transport", _TRANSPORTS)
 @pytest.mark.parametrize("mode", SYNC_MODES)
-def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode):
+def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode, transport):
     # No finish() at all: the average must be in p.grad when backward() returns, every run the
     # same bits (no read races an all-reduce still writing the buffer).
-    runs = [run_workers(_train_synced, _WORLD_SIZE, args=(mode, 2, torch.float64, {}, "cpu", False),
+    options = {"grad_transport": transport}
+    runs = [run_workers(_train_synced, _WORLD_SIZE, args=(mode, 2, torch.float64, options, "cpu", False),
                         init_file=tmp_path / f"store{i}") for i in range(3)]
     reference = _train_reference(_WORLD_SIZE, 2)
     for results in runs:
@@ -159,8 +163,9 @@ def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode):
 
 
 @pytest.mark.distributed
-def test_three_ranks_match_single_process(tmp_path):
-    args = ("bucketed", 2, torch.float64, {})
+@pytest.mark.parametrize("transport", _TRANSPORTS)
+def test_three_ranks_match_single_process(tmp_path, transport):
+    args = ("bucketed", 2, torch.float64, {"grad_transport": transport})
     results = run_workers(_train_synced, 3, args=args, init_file=tmp_path / "store")
     reference = _train_reference(3, 2)
     for result in results:
@@ -198,7 +203,9 @@ def test_two_rank_nccl_training_matches_single_process(tmp_path):
 
 
 def _allreduce_starts(prof) -> list[float]:
-    return [e.time_range.start for e in prof.events() if e.name == "c10d::allreduce_"]
+    """Start times of gradient all-reduces: gloo's, or launches of shared-memory ones."""
+    return [e.time_range.start for e in prof.events()
+            if e.name == "c10d::allreduce_" or parse_launch_label(e.name) is not None]
 
 
 def _count_in_backward_and_finish(model: SyncedDataParallel, x: torch.Tensor) -> tuple[int, int]:
@@ -217,10 +224,11 @@ def _count_in_backward_and_finish(model: SyncedDataParallel, x: torch.Tensor) ->
     return len(starts) - in_finish, in_finish
 
 
-def _comm_counts(rank: int, world_size: int, mode: str, k: int) -> dict:
+def _comm_counts(rank: int, world_size: int, mode: str, k: int, transport: str) -> dict:
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]).double()
-    model = SyncedDataParallel(net, mode=mode, **_SMALL_BUCKETS)
+    model = SyncedDataParallel(net, mode=mode, **_SMALL_BUCKETS, grad_transport=transport)
+    assert model.grad_transport == transport
     x = torch.randn(k, 4, 16, dtype=torch.float64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for j in range(k - 1):
@@ -241,9 +249,10 @@ def _comm_counts(rank: int, world_size: int, mode: str, k: int) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("transport", _TRANSPORTS)
 @pytest.mark.parametrize("mode", SYNC_MODES)
-def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_path, mode):
-    counts = run_workers(_comm_counts, _WORLD_SIZE, args=(mode, 3), init_file=tmp_path / "store")[0]
+def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_path, mode, transport):
+    counts = run_workers(_comm_counts, _WORLD_SIZE, args=(mode, 3, transport), init_file=tmp_path / "store")[0]
     buckets = counts["buckets"]
     assert buckets == 1 if mode == "flat" else buckets > 1
     # Overlapped modes launch from the gradient hooks, the others from the end-of-backward callback:

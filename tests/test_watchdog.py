@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lit_cifar.run_dir import resume_last_version
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
+from parallel.buckets import Bucket
 from strategies.heartbeat import Progress, connect_store, main_thread_state, stack_text
 from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
@@ -82,6 +84,21 @@ def test_main_thread_state_reads_a_blocked_thread_and_a_declared_busy_phase() ->
     thread.join()
     assert collective is None and busy is None  # waiting on an Event is no collective
     assert "in wait" in stack_text(frames)
+
+
+def test_a_thread_waiting_for_a_gradient_bucket_waits_for_its_peers() -> None:
+    # A bucket's all-reduce is waited in parallel/buckets.py (gloo's Work, or the shared-memory
+    # future): a rank parked there waits for a peer and is no stall of its own.
+    bucket = Bucket(0, [], torch.zeros(1), [])
+    bucket.work = torch.futures.Future()
+    thread = threading.Thread(target=bucket.wait)
+    thread.start()
+    time.sleep(0.05)
+    frames = [(frame, frame.f_lineno) for frame in _outermost_first(sys._current_frames()[thread.ident])]
+    collective, _ = main_thread_state(frames)
+    bucket.work.set_result(None)
+    thread.join()
+    assert collective is not None and "gradient bucket (SyncedDataParallel) (parallel/buckets.py:" in collective
 
 
 def _outermost_first(frame):

@@ -1,0 +1,214 @@
+"""All-reduce through shared memory, for gradient buckets of CPU ranks on one host.
+
+Over gloo, two ranks on one machine sum a bucket through TCP loopback: every byte is copied into
+the kernel and out again, and the cores doing it are the ones running backward (43 MiB of
+ResNet-18 gradients: ~30 ms, see ``benchmarks/results/grad_sync``). Here every rank's bucket
+buffers live in a file under ``/dev/shm`` that every rank of the group maps, and the sum is
+computed in place, each rank reading its peers' memory directly::
+
+    1. barrier: every rank's buffer holds its contribution
+    2. rank r adds chunk r of every peer's buffer into chunk r of its own   (reduce-scatter)
+    3. barrier: every chunk is summed
+    4. rank r copies chunk k of rank k's buffer into its own, for k != r    (all-gather)
+    5. barrier: no rank reads rank r's buffer any more; it may be written again
+
+Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
+after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly). The barriers run on a gloo group of their own, so they never
+interleave with the default group's collectives, a dead peer raises instead of hanging, and the
+memory ordering between ranks comes from their system calls (no hand-written fences). One worker
+thread per process runs the steps in launch order, so backward goes on meanwhile, as it does
+beside gloo's own threads. Shared files are unlinked as soon as every rank mapped them: nothing
+is left in ``/dev/shm`` when a process dies.
+
+Used by :class:`parallel.grad_sync.SyncedDataParallel` (``grad_transport``). Pure torch; no Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from parallel.sync_config import GRAD_TRANSPORTS
+
+__all__ = ["SharedMemoryAllReduce", "open_shared_memory_all_reduce", "parse_launch_label"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64  # bytes: every buffer starts on a cache line, and any dtype's view of it is aligned
+# Profiler labels. The launch label (caller's thread) names the buffer, so CollectiveCounter counts
+# one all-reduce per launch; the worker label marks the barriers it runs, which are not collectives
+# of their own.
+_LAUNCH = "SyncedDataParallel.shared_memory_all_reduce"
+WORKER_LABEL = "SharedMemoryAllReduce.worker"
+_LAUNCH_RE = re.compile(re.escape(_LAUNCH) + r"\((\w+)\[(\d+)\]\)$")
+
+
+def parse_launch_label(name: str) -> tuple[str, int] | None:
+    """``(dtype, numel)`` of the buffer a launch label names, or ``None`` for any other event name."""
+    match = _LAUNCH_RE.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _local_problem(devices: Sequence[torch.device], grad_compression: str | None) -> str | None:
+    if any(device.type != "cpu" for device in devices):
+        return "gradients live on an accelerator (its own backend, e.g. NCCL, reduces them)"
+    if grad_compression is not None:
+        return f"grad_compression={grad_compression!r} reduces a converted copy of each bucket"
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return f"{SHM_DIR} is missing or not writable"
+    return None
+
+
+def _problem(process_group: dist.ProcessGroup | None, devices: Sequence[torch.device],
+             grad_compression: str | None) -> str | None:
+    """Why the group cannot sum through shared memory (the same answer on every rank), or ``None``.
+    Collective over ``process_group``: one ``all_gather_object``."""
+    if process_group not in (None, dist.group.WORLD):
+        return "the group is a subgroup (its barrier group would need every rank of the world)"
+    if dist.get_backend() != "gloo":
+        return f"the backend is {dist.get_backend()!r}, not gloo"
+    mine = (socket.gethostname(), _boot_id(), _local_problem(devices, grad_compression))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    problems = [f"rank {rank}: {p}" for rank, (_, _, p) in enumerate(every) if p]
+    if problems:
+        return "; ".join(problems)
+    if len({(host, boot) for host, boot, _ in every}) > 1:
+        return "the ranks run on more than one host"
+    return None
+
+
+def _boot_id() -> str:
+    # Two containers may share a host name; the kernel's boot id tells machines apart.
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGroup | None,
+                                  devices: Sequence[torch.device],
+                                  grad_compression: str | None) -> SharedMemoryAllReduce | None:
+    """A :class:`SharedMemoryAllReduce` when ``transport`` asks for it and it applies, else ``None``.
+
+    Every rank of the group calls this at the same point (it communicates). ``"shared_memory"``
+    where it cannot apply raises ``ValueError`` on every rank, naming the reason and the fix.
+    """
+    if transport not in GRAD_TRANSPORTS:
+        raise ValueError(f"grad_transport={transport!r} must be one of {GRAD_TRANSPORTS}")
+    if transport == "process_group":
+        return None
+    problem = _problem(process_group, devices, grad_compression)
+    if problem is None:
+        return SharedMemoryAllReduce()
+    if transport == "shared_memory":
+        raise ValueError(f"grad_transport='shared_memory' cannot apply: {problem}. Use grad_transport='auto' "
+                         "(falls back to the process group) or 'process_group'.")
+    log.info("gradient buckets all-reduce through the process group: %s", problem)
+    return None
+
+
+class SharedMemoryAllReduce:
+    """Buffers every rank of the default group maps, and an in-place sum over them (module docstring).
+
+    Construct it on every rank at the same point (it creates a process group). :meth:`allocate` is
+    collective too; :meth:`all_reduce` must be called on every rank for the same buffer, in the same
+    order, as any collective.
+    """
+
+    def __init__(self) -> None:
+        self._group = dist.new_group(backend="gloo")  # barriers only: never interleaved with other collectives
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        name = [f"lit_cifar-{uuid.uuid4().hex}" if self._rank == 0 else None]
+        dist.broadcast_object_list(name, src=0, group=self._group)
+        self._prefix = os.path.join(SHM_DIR, name[0])
+        self._arenas = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # A daemon thread: a process that exits while a peer is gone must not wait for it.
+        self._worker = threading.Thread(target=self._run, name="shm-all-reduce", daemon=True)
+        self._worker.start()
+        log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*", self._world_size, self._prefix)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def allocate(self, sizes: Sequence[tuple[int, torch.dtype]]) -> list[list[torch.Tensor]]:
+        """Zeroed shared buffers of ``(numel, dtype)`` each: ``result[i][k]`` is rank k's buffer ``i``
+        (``result[i][rank]`` is this rank's own to write). Collective."""
+        offsets, total = [], 0
+        for numel, dtype in sizes:
+            offsets.append(total)
+            total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        path = f"{self._prefix}-{self._arenas}-r%d"
+        self._arenas += 1
+        fd = os.open(path % self._rank, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS mid-backward
+            os.posix_fallocate(fd, 0, max(total, 1))
+        finally:
+            os.close(fd)
+        dist.barrier(group=self._group)  # every rank's file exists
+        arenas = [torch.from_file(path % rank, shared=True, size=max(total, 1), dtype=torch.uint8)
+                  for rank in range(self._world_size)]
+        dist.barrier(group=self._group)  # every rank mapped every file: the names can go
+        os.unlink(path % self._rank)
+        return [[arena[offset: offset + numel * dtype.itemsize].view(dtype) for arena in arenas]
+                for offset, (numel, dtype) in zip(offsets, sizes)]
+
+    def all_reduce(self, buffers: Sequence[torch.Tensor]) -> torch.futures.Future:
+        """Start summing every rank's ``buffers[k]`` into each of them; the future's ``wait()`` waits
+        (and raises what the worker met, e.g. a peer that died)."""
+        mine = buffers[self._rank]
+        future: torch.futures.Future = torch.futures.Future()
+        with record_function(f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])"):
+            self._jobs.put((buffers, future))
+        return future
+
+    def close(self) -> None:
+        """Stop the worker thread once the queued all-reduces are done (the buffers stay valid)."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            buffers, future = job
+            try:
+                with record_function(WORKER_LABEL):
+                    self._sum_in_place(buffers)
+            except Exception as error:  # handed to the waiting thread
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+
+    def _sum_in_place(self, buffers: Sequence[torch.Tensor]) -> None:
+        rank, world_size = self._rank, self._world_size
+        numel = buffers[rank].numel()
+        bounds = [k * numel // world_size for k in range(world_size + 1)]
+        chunks = [[buffer[bounds[k]: bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
+        dist.barrier(group=self._group)  # every rank's contribution is in place
+        own = chunks[rank][rank]
+        for k in range(world_size):  # the same order on every run: bitwise repeatable
+            if k != rank:
+                own.add_(chunks[rank][k])
+        dist.barrier(group=self._group)  # every chunk is summed, each in its owner's buffer
+        for k in range(world_size):
+            if k != rank:
+                chunks[k][rank].copy_(chunks[k][k])
+        dist.barrier(group=self._group)  # nobody reads this rank's buffer any more

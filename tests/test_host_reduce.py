@@ -1,0 +1,109 @@
+"""SharedMemoryAllReduce: sums like gloo, on every rank the same bits, leaves no files, never hangs on a dead peer."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.launcher import run_workers
+from parallel.grad_sync import SyncedDataParallel
+from parallel.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
+from parallel.sync_config import GradSyncConfig
+
+pytestmark = pytest.mark.distributed
+
+# Sizes that do not split evenly over 2 or 3 ranks, one smaller than the world, and several dtypes.
+_SIZES = [(1, torch.float32), (7, torch.float64), (1001, torch.bfloat16), (100_003, torch.float32)]
+
+
+def _contribution(rank: int, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * index + rank)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _sum_both_ways(rank: int, world_size: int) -> dict:
+    host = SharedMemoryAllReduce()
+    shared = host.allocate(_SIZES)
+    zeroed = all(bool((every[rank] == 0).all()) for every in shared)
+    gloo = []
+    for index, ((numel, dtype), every) in enumerate(zip(_SIZES, shared)):
+        every[rank].copy_(_contribution(rank, index, numel, dtype))
+        expected = _contribution(rank, index, numel, dtype)
+        dist.all_reduce(expected)
+        gloo.append(expected)
+    for every in shared:  # queued back to back, waited once: launch order is kept
+        future = host.all_reduce(every)
+    future.wait()
+    host.close()
+    leftovers = glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))
+    return {"zeroed": zeroed, "shm": [every[rank].clone() for every in shared], "gloo": gloo, "leftovers": leftovers}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size):
+    results = run_workers(_sum_both_ways, world_size, init_file=tmp_path / "store")
+    reference = [sum(_contribution(r, i, n, d).double() for r in range(world_size)) for i, (n, d) in enumerate(_SIZES)]
+    for result in results:
+        assert result["zeroed"] and result["leftovers"] == []  # every name unlinked once all ranks mapped it
+        for index, (shm, gloo, exact) in enumerate(zip(result["shm"], result["gloo"], reference)):
+            assert torch.equal(shm, results[0]["shm"][index])  # one summation per chunk: the same bits everywhere
+            if world_size == 2:
+                assert torch.equal(shm, gloo)  # a + b is exact in either order: gloo's bits
+            tolerance = 1e-2 if shm.dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(shm.double(), exact, atol=tolerance, rtol=tolerance)
+
+
+def _peer_dies(rank: int, world_size: int) -> dict:
+    host = SharedMemoryAllReduce()
+    (every,) = host.allocate([(1000, torch.float32)])
+    if rank == 1:
+        return {}  # its process ends: its part of the all-reduce never comes
+    started = time.monotonic()
+    try:
+        host.all_reduce(every).wait()
+    except RuntimeError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path):
+    # timeout_s bounds the group; the peer's closed sockets must end the wait long before it.
+    outcome = run_workers(_peer_dies, 2, init_file=tmp_path / "store", timeout_s=60, deadline_margin_s=10)[0]
+    assert outcome["error"] is not None and outcome["seconds"] < 10, outcome
+
+
+def _choices(rank: int, world_size: int) -> dict:
+    net = nn.Linear(4, 2)
+    subgroup = dist.new_group([0, 1])
+    auto = SyncedDataParallel(net, grad_transport="auto")
+    fallback = SyncedDataParallel(nn.Linear(4, 2), grad_transport="auto", grad_compression="bf16")
+    via_subgroup = open_shared_memory_all_reduce("auto", subgroup, [torch.device("cpu")], None)
+    try:
+        open_shared_memory_all_reduce("shared_memory", subgroup, [torch.device("cpu")], None)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"auto": auto.grad_transport, "compressed": fallback.grad_transport,
+            "subgroup": via_subgroup, "refused": refused}
+
+
+def test_auto_takes_shared_memory_where_it_applies_and_names_why_not(tmp_path):
+    for result in run_workers(_choices, 2, init_file=tmp_path / "store"):
+        assert result["auto"] == "shared_memory"
+        assert result["compressed"] == "process_group" and result["subgroup"] is None
+        assert "subgroup" in result["refused"] and "grad_transport='auto'" in result["refused"]
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"grad_transport": "shm"}, r"grad_transport='shm' must be one of \('auto', 'process_group', 'shared_memory'\)"),
+    ({"grad_transport": "shared_memory", "grad_compression": "bf16"}, r"use grad_transport='process_group' to compress"),
+])
+def test_bad_transport_options_name_the_value_and_the_fix(options, match):
+    with pytest.raises(ValueError, match=match):
+        GradSyncConfig(**options)
