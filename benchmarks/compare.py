@@ -2,10 +2,10 @@
 
     python -m benchmarks.compare                              # about 25 minutes on 2 CPU cores
     python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 5 minutes
-    python -m benchmarks.compare --variants custom_ddp_localbn ddp_tuned --timing-only --rounds 6 \
-        --out benchmarks/results/compare_localbn                # the step-time target alone, ~20 minutes
+    python -m benchmarks.compare --variants custom_ddp_localbn custom_ddp_localbn_gloo ddp_tuned --timing-only \
+        --rounds 6 --out benchmarks/results/compare_localbn     # the step-time target alone, ~30 minutes
 
-(2 rounds x 3 settings x 15 variants = 90 timed fits of 5-25 s, 11 collective counts of ~10 s, 2
+(2 rounds x 3 settings x 16 variants = 96 timed fits of 5-25 s, 11 collective counts of ~10 s, 2
 accuracy fits of ~1 minute, up to 5 minutes of waiting for a quiet machine.) On the template net
 and ResNet-18 (CIFAR stem), at accumulate 1, 2 and 4, each variant of :data:`compare_runs.VARIANTS` runs
 ``--rounds`` short fits, interleaved so that drifting load hits all alike: fresh ``python train.py
@@ -45,7 +45,8 @@ CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/
 # (numerator, denominator): every ratio names its anchor.
 RATIOS = (("custom_ddp", "ddp_default"), ("custom_ddp", "ddp_tuned"), ("custom_ddp_localbn", "ddp_tuned"),
           ("custom_ddp", "custom_ddp_localbn"), ("custom_ddp_bf16", "custom_ddp"),
-          ("custom_ddp_compiled", "ddp_tuned"), ("custom_ddp_compiled", "custom_ddp"))
+          ("custom_ddp_compiled", "ddp_tuned"), ("custom_ddp_compiled", "custom_ddp"),
+          ("custom_ddp_localbn_gloo", "ddp_tuned"), ("custom_ddp_localbn", "custom_ddp_localbn_gloo"))
 # The SyncBN share of a step, 1 - step(local BN) / step(SyncBN): record key -> (SyncBN variant, its name in the text).
 SYNCBN_SHARES = {"syncbn_share": ("custom_ddp", "custom_ddp"),
                  "syncbn_share_compiled": ("custom_ddp_compiled", "custom_ddp (SyncBN, compiled)")}

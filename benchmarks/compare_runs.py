@@ -52,8 +52,14 @@ VARIANTS: dict[str, Variant] = {
                                    "the runs)", _strategy(_CUSTOM, sync_batchnorm=True, syncbn_compile=True)),
     # Compared with ddp_tuned, which broadcasts no buffers: the same setting on both sides.
     "custom_ddp_localbn": Variant("custom_ddp (local BN)", "sync_batchnorm=false: local BatchNorm like ddp on CPU; "
-                                  "broadcast_buffers=false like ddp tuned (forward_sync_buffers=false)",
+                                  "broadcast_buffers=false like ddp tuned (forward_sync_buffers=false); "
+                                  "grad_transport=auto: buckets summed in shared memory (one host)",
                                   _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False)),
+    # The same with gloo summing the buckets over TCP loopback: what grad_transport=auto's shared memory changes.
+    "custom_ddp_localbn_gloo": Variant("custom_ddp (local BN, gloo transport)", "custom_ddp (local BN) with "
+                                       "grad_transport=process_group: buckets summed by dist.all_reduce over gloo",
+                                       _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False,
+                                                 grad_transport="process_group")),
     "ddp_default": Variant("ddp default (local BN)", "Lightning ddp as it comes: gradient_as_bucket_view=False, "
                            "forward_sync_buffers=True (rank 0's BN buffers broadcast every forward)",
                            _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True)),

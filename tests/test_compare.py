@@ -69,7 +69,7 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
 
 
 def test_variants_and_threads():
-    assert variants_for("template") == ["custom_ddp", "custom_ddp_compiled", "custom_ddp_localbn", "ddp_default",
+    assert variants_for("template") == ["custom_ddp", "custom_ddp_compiled", "custom_ddp_localbn", "custom_ddp_localbn_gloo", "ddp_default",
                                         "ddp_tuned", "single_matched", "single"]
     assert "custom_ddp_bf16" in variants_for("resnet18")
     assert VARIANTS["single_matched"].threads == MATCHED_THREADS and VARIANTS["single"].threads is None
