@@ -66,7 +66,8 @@ VARIANTS: dict[str, Variant] = {
     "ddp_tuned": Variant("ddp tuned (local BN)", "gradient_as_bucket_view=True, forward_sync_buffers=False",
                          _strategy(_DDP, gradient_as_bucket_view=True, forward_sync_buffers=False)),
     "custom_ddp_bf16": Variant("custom_ddp (SyncBN), bf16 gradients", "grad_compression=bf16: buckets all-reduced "
-                               "in bfloat16", _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
+                               "in bfloat16 by gloo (compression turns grad_transport=auto's shared memory off: its "
+                               "ratio to custom_ddp includes the transport)", _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
                                nets=("resnet18",)),
     "single_matched": Variant(f"1 process, {MATCHED_THREADS} thread{'s' * (MATCHED_THREADS > 1)}", "thread-matched "
                               "to each 2-process rank: no communication", _strategy("auto"), 1, MATCHED_THREADS),

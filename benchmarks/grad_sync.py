@@ -4,8 +4,9 @@
     python -m benchmarks.grad_sync --quick --out /tmp/grad_sync   # smoke run
 
 Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (SGD, momentum, a
-fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, bf16 wire
-compression and ZeRO-1, against ``ddp_default`` (buffers broadcast every forward) and ``ddp_tuned``
+fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, its buckets
+summed by gloo instead of in shared memory (``_gloo``: ``grad_transport="process_group"``), bf16 wire
+compression (summed by gloo, compared with ``_gloo``) and ZeRO-1, against ``ddp_default`` (buffers broadcast every forward) and ``ddp_tuned``
 (``gradient_as_bucket_view=True, forward_sync_buffers=False``); SyncedDataParallel runs with
 ``broadcast_buffers=False`` like ``ddp_tuned``. Exposed communication = step -
 ``no_comm`` step (same wrapper and ranks inside ``no_sync()``: thread-matched; it also charges the
@@ -188,7 +189,9 @@ def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[float]
     """One variant's estimates (JSON-able, seconds) from every variant's ``pooled`` steps: step, ratio to each
     anchor, exposure, speed-up; round spread: (max - min) of the per-round medians over the pooled median."""
     step, base, communicates = pooled[name], pooled[NO_COMM], name not in (NO_COMM, SINGLE)
-    fp32 = name.removesuffix("_bf16") if name.endswith("_bf16") else ""
+    # bf16 buckets travel through gloo (compression turns the shared-memory sum off): compare like with like.
+    fp32 = next((v for v in (f"{name.removesuffix('_bf16')}_gloo", name.removesuffix("_bf16")) if v in pooled), "") \
+        if name.endswith("_bf16") else ""
     medians = [float(np.median(s)) for s in sample["step_s_by_round"] if s]  # one per round
     # images/s of 2 ranks over one all-cores process on one rank's batch: 2 x step(single) / step
     single = [2 * s for s in pooled.get(SINGLE, [])]
@@ -199,6 +202,8 @@ def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[float]
             "speedup_vs_single_all_cores": asdict(ratio_ci(single, step)) if communicates and single else None,
             "round_spread": (max(medians) - min(medians)) / float(np.median(step)),
             "vs_fp32": asdict(ratio_ci(step, pooled[fp32])) if fp32 in pooled else None,
+            # The shared-memory sum (grad_transport="auto" here) against gloo's over TCP loopback.
+            "vs_gloo": asdict(ratio_ci(step, pooled[f"{name}_gloo"])) if f"{name}_gloo" in pooled else None,
             # Diagnostic only (a plain median): time blocked in finish(), blind to compute slowed by gloo.
             "finish_s": float(np.median(_pooled(sample["finish_s_by_round"])))
             if communicates and sample["buckets"] is not None else None,
@@ -224,7 +229,8 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
                  for a in ANCHORS]
         rows += [headline_row(f"{what}, {model}", value, unit) for what, value, unit in (
             ("bucketed 25 MiB: exposed communication share of the step (vs no_sync)", bucketed["exposed_share"], "%"),
-            ("bucketed 25 MiB, bf16 / fp32 gradients: step time", bf16.get("vs_fp32"), "x"),
+            ("bucketed 25 MiB, bf16 / fp32 gradients, both summed by gloo: step time", bf16.get("vs_fp32"), "x"),
+            ("bucketed 25 MiB, buckets summed in shared memory / by gloo: step time", bucketed.get("vs_gloo"), "x"),
             ("bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second",
              bucketed["speedup_vs_single_all_cores"], "x")) if value is not None]
     zero1 = record.get("zero1", [])

@@ -31,6 +31,7 @@ next forward with gradients enabled (one tuple of flags compared) and rebuilds t
 hooks (within a step: averaged at its end); torch DDP leaves such parameters out for good. Sparse
 gradients stay out of the buckets (:mod:`parallel.sparse_grads`); ``broadcast_buffers`` gives
 every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.buffer_sync`).
+CPU ranks on one host keep their buckets in shared memory and sum them there (:mod:`parallel.host_reduce`).
 
 Rank status (``carry_rank_status=True``): a small integer per rank (:meth:`~SyncedDataParallel.
 set_rank_status`, e.g. "a SIGTERM arrived") rides in the last bucket; after the step every rank reads
@@ -44,6 +45,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -87,6 +89,7 @@ class SyncedDataParallel(nn.Module):
             no compression) live in shared memory and are summed there (:mod:`parallel.host_reduce`),
             others by ``dist.all_reduce``; ``"process_group"``: always ``dist.all_reduce``;
             ``"shared_memory"``: shared memory or a ``ValueError`` naming why not.
+        timeout: Timeout of the shared-memory sums' barriers (``None``: torch's default for a new group).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class SyncedDataParallel(nn.Module):
         carry_rank_status: bool = False,
         broadcast_buffers: bool = True,
         grad_transport: str = "auto",
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression, grad_transport)
@@ -118,7 +122,7 @@ class SyncedDataParallel(nn.Module):
         self._buffer_sync = (BufferBroadcast(module, process_group)
                              if broadcast_buffers and self._world_size > 1 else None)
         self._host = None if self._world_size == 1 else open_shared_memory_all_reduce(
-            grad_transport, process_group, [p.device for p in module.parameters()], grad_compression)
+            grad_transport, process_group, [p.device for p in module.parameters()], grad_compression, timeout)
         self._hook_handles: list[Any] = []
         self._build()
         self._sync_enabled = True

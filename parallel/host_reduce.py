@@ -32,6 +32,7 @@ import re
 import socket
 import threading
 import uuid
+from datetime import timedelta
 from collections.abc import Sequence
 
 import torch
@@ -99,8 +100,8 @@ def _boot_id() -> str:
 
 
 def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGroup | None,
-                                  devices: Sequence[torch.device],
-                                  grad_compression: str | None) -> SharedMemoryAllReduce | None:
+                                  devices: Sequence[torch.device], grad_compression: str | None,
+                                  timeout: timedelta | None = None) -> SharedMemoryAllReduce | None:
     """A :class:`SharedMemoryAllReduce` when ``transport`` asks for it and it applies, else ``None``.
 
     Every rank of the group calls this at the same point (it communicates). ``"shared_memory"``
@@ -112,7 +113,7 @@ def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGro
         return None
     problem = _problem(process_group, devices, grad_compression)
     if problem is None:
-        return SharedMemoryAllReduce()
+        return SharedMemoryAllReduce(timeout)
     if transport == "shared_memory":
         raise ValueError(f"grad_transport='shared_memory' cannot apply: {problem}. Use grad_transport='auto' "
                          "(falls back to the process group) or 'process_group'.")
@@ -123,13 +124,15 @@ def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGro
 class SharedMemoryAllReduce:
     """Buffers every rank of the default group maps, and an in-place sum over them (module docstring).
 
-    Construct it on every rank at the same point (it creates a process group). :meth:`allocate` is
+    Construct it on every rank at the same point (it creates a process group whose barriers wait at
+    most ``timeout`` for a peer that is alive but silent; a dead peer raises at once). :meth:`allocate` is
     collective too; :meth:`all_reduce` must be called on every rank for the same buffer, in the same
     order, as any collective.
     """
 
-    def __init__(self) -> None:
-        self._group = dist.new_group(backend="gloo")  # barriers only: never interleaved with other collectives
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        # Barriers only, never interleaved with other collectives; timeout None: torch's default.
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         name = [f"lit_cifar-{uuid.uuid4().hex}" if self._rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=self._group)

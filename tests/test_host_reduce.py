@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -76,6 +77,25 @@ def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path):
     # timeout_s bounds the group; the peer's closed sockets must end the wait long before it.
     outcome = run_workers(_peer_dies, 2, init_file=tmp_path / "store", timeout_s=60, deadline_margin_s=10)[0]
     assert outcome["error"] is not None and outcome["seconds"] < 10, outcome
+
+
+def _peer_silent(rank: int, world_size: int) -> dict:
+    host = SharedMemoryAllReduce(timeout=timedelta(seconds=2))
+    (every,) = host.allocate([(10, torch.float32)])
+    if rank == 1:
+        time.sleep(6)  # alive, its sockets open, but it never joins the sum
+        return {}
+    started = time.monotonic()
+    try:
+        host.all_reduce(every).wait()
+    except RuntimeError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def test_a_silent_peer_raises_after_the_timeout(tmp_path):
+    outcome = run_workers(_peer_silent, 2, init_file=tmp_path / "store", timeout_s=30)[0]
+    assert outcome["error"] is not None and 1.5 < outcome["seconds"] < 5, outcome
 
 
 def _choices(rank: int, world_size: int) -> dict:
