@@ -29,7 +29,6 @@ import logging
 import os
 import queue
 import re
-import socket
 import threading
 import uuid
 from datetime import timedelta
@@ -74,29 +73,26 @@ def _local_problem(devices: Sequence[torch.device], grad_compression: str | None
 def _problem(process_group: dist.ProcessGroup | None, devices: Sequence[torch.device],
              grad_compression: str | None) -> str | None:
     """Why the group cannot sum through shared memory (the same answer on every rank), or ``None``.
-    Collective over ``process_group``: one ``all_gather_object``."""
+    Collective over the default group: one ``broadcast_object_list``, one ``all_gather_object``."""
     if process_group not in (None, dist.group.WORLD):
         return "the group is a subgroup (its barrier group would need every rank of the world)"
     if dist.get_backend() != "gloo":
         return f"the backend is {dist.get_backend()!r}, not gloo"
-    mine = (socket.gethostname(), _boot_id(), _local_problem(devices, grad_compression))
+    # Whether every rank sees the same /dev/shm: rank 0 leaves a file there and the others look for it.
+    # (A host name or boot id cannot tell: containers on one machine may share both, not /dev/shm.)
+    rank, probe = dist.get_rank(), [os.path.join(SHM_DIR, f"lit_cifar-probe-{uuid.uuid4().hex}")]
+    own = _local_problem(devices, grad_compression)
+    if rank == 0 and own is None:
+        open(probe[0], "x").close()
+    dist.broadcast_object_list(probe, src=0)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    problems = [f"rank {rank}: {p}" for rank, (_, _, p) in enumerate(every) if p]
-    if problems:
-        return "; ".join(problems)
-    if len({(host, boot) for host, boot, _ in every}) > 1:
-        return "the ranks run on more than one host"
-    return None
-
-
-def _boot_id() -> str:
-    # Two containers may share a host name; the kernel's boot id tells machines apart.
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    dist.all_gather_object(every, (own, os.path.exists(probe[0])))
+    if rank == 0 and own is None:
+        os.unlink(probe[0])
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
+    problems += [f"rank {r} does not see rank 0's {SHM_DIR} (another host or container)"
+                 for r, (p, sees) in enumerate(every) if not (p or sees or every[0][0])]
+    return "; ".join(problems) or None
 
 
 def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGroup | None,
@@ -119,6 +115,13 @@ def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGro
                          "(falls back to the process group) or 'process_group'.")
     log.info("gradient buckets all-reduce through the process group: %s", problem)
     return None
+
+
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    """Map a rank's existing file (``torch.from_file`` alone would create a missing one, silently private)."""
+    if not os.path.exists(path) or os.stat(path).st_size < nbytes:
+        raise RuntimeError(f"shared gradient buffer {path} is missing or short: the ranks do not share {SHM_DIR}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 class SharedMemoryAllReduce:
@@ -167,8 +170,7 @@ class SharedMemoryAllReduce:
         finally:
             os.close(fd)
         dist.barrier(group=self._group)  # every rank's file exists
-        arenas = [torch.from_file(path % rank, shared=True, size=max(total, 1), dtype=torch.uint8)
-                  for rank in range(self._world_size)]
+        arenas = [_map(path % rank, max(total, 1)) for rank in range(self._world_size)]
         dist.barrier(group=self._group)  # every rank mapped every file: the names can go
         os.unlink(path % self._rank)
         return [[arena[offset: offset + numel * dtype.itemsize].view(dtype) for arena in arenas]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.launcher import run_workers
+from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import GradSyncConfig
@@ -118,6 +119,25 @@ def test_auto_takes_shared_memory_where_it_applies_and_names_why_not(tmp_path):
         assert result["auto"] == "shared_memory"
         assert result["compressed"] == "process_group" and result["subgroup"] is None
         assert "subgroup" in result["refused"] and "grad_transport='auto'" in result["refused"]
+
+
+def _separate_shm(rank: int, world_size: int, root: str) -> dict:
+    # Each rank gets a /dev/shm of its own, as two containers on one machine would.
+    host_reduce.SHM_DIR = os.path.join(root, f"rank{rank}")
+    os.makedirs(host_reduce.SHM_DIR)
+    auto = SyncedDataParallel(nn.Linear(4, 2), grad_transport="auto").grad_transport
+    try:
+        SyncedDataParallel(nn.Linear(4, 2), grad_transport="shared_memory")
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"auto": auto, "refused": refused}
+
+
+def test_ranks_that_do_not_share_dev_shm_fall_back(tmp_path):
+    for result in run_workers(_separate_shm, 2, args=(str(tmp_path),), init_file=tmp_path / "store"):
+        assert result["auto"] == "process_group"
+        assert "rank 1 does not see rank 0's" in result["refused"]
 
 
 @pytest.mark.parametrize(("options", "match"), [
