@@ -80,15 +80,15 @@ def _problem(process_group: dist.ProcessGroup | None, devices: Sequence[torch.de
         return f"the backend is {dist.get_backend()!r}, not gloo"
     # Whether every rank sees the same /dev/shm: rank 0 leaves a file there and the others look for it.
     # (A host name or boot id cannot tell: containers on one machine may share both, not /dev/shm.)
-    rank, probe = dist.get_rank(), [os.path.join(SHM_DIR, f"lit_cifar-probe-{uuid.uuid4().hex}")]
+    rank, name = dist.get_rank(), [f"lit_cifar-probe-{uuid.uuid4().hex}"]  # the name only: each rank's own /dev/shm
     own = _local_problem(devices, grad_compression)
     if rank == 0 and own is None:
-        open(probe[0], "x").close()
-    dist.broadcast_object_list(probe, src=0)
+        open(os.path.join(SHM_DIR, name[0]), "x").close()
+    dist.broadcast_object_list(name, src=0)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (own, os.path.exists(probe[0])))
+    dist.all_gather_object(every, (own, os.path.exists(os.path.join(SHM_DIR, name[0]))))
     if rank == 0 and own is None:
-        os.unlink(probe[0])
+        os.unlink(os.path.join(SHM_DIR, name[0]))
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
     problems += [f"rank {r} does not see rank 0's {SHM_DIR} (another host or container)"
                  for r, (p, sees) in enumerate(every) if not (p or sees or every[0][0])]
