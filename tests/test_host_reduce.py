@@ -61,11 +61,13 @@ def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size
             torch.testing.assert_close(shm.double(), exact, atol=tolerance, rtol=tolerance)
 
 
-def _peer_dies(rank: int, world_size: int) -> dict:
-    host = SharedMemoryAllReduce()
+def _peer_missing(rank: int, world_size: int, silent_s: float | None) -> dict:
+    """Rank 1 never joins the sum: it ends (``silent_s`` None) or stays alive and silent that long."""
+    host = SharedMemoryAllReduce(timeout=None if silent_s is None else timedelta(seconds=2))
     (every,) = host.allocate([(1000, torch.float32)])
     if rank == 1:
-        return {}  # its process ends: its part of the all-reduce never comes
+        time.sleep(silent_s or 0)
+        return {}  # then its process ends
     started = time.monotonic()
     try:
         host.all_reduce(every).wait()
@@ -76,26 +78,14 @@ def _peer_dies(rank: int, world_size: int) -> dict:
 
 def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path):
     # timeout_s bounds the group; the peer's closed sockets must end the wait long before it.
-    outcome = run_workers(_peer_dies, 2, init_file=tmp_path / "store", timeout_s=60, deadline_margin_s=10)[0]
+    outcome = run_workers(_peer_missing, 2, args=(None,), init_file=tmp_path / "store", timeout_s=60,
+                          deadline_margin_s=10)[0]
     assert outcome["error"] is not None and outcome["seconds"] < 10, outcome
 
 
-def _peer_silent(rank: int, world_size: int) -> dict:
-    host = SharedMemoryAllReduce(timeout=timedelta(seconds=2))
-    (every,) = host.allocate([(10, torch.float32)])
-    if rank == 1:
-        time.sleep(6)  # alive, its sockets open, but it never joins the sum
-        return {}
-    started = time.monotonic()
-    try:
-        host.all_reduce(every).wait()
-    except RuntimeError as error:
-        return {"error": str(error), "seconds": time.monotonic() - started}
-    return {"error": None, "seconds": time.monotonic() - started}
-
-
 def test_a_silent_peer_raises_after_the_timeout(tmp_path):
-    outcome = run_workers(_peer_silent, 2, init_file=tmp_path / "store", timeout_s=30)[0]
+    # Alive, its sockets open, but silent for 6 s: the group's 2 s timeout ends the wait.
+    outcome = run_workers(_peer_missing, 2, args=(6.0,), init_file=tmp_path / "store", timeout_s=30)[0]
     assert outcome["error"] is not None and 1.5 < outcome["seconds"] < 5, outcome
 
 
