@@ -40,10 +40,10 @@ every rank's value (:attr:`~SyncedDataParallel.rank_status`) without a collectiv
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator
@@ -145,11 +145,14 @@ class SyncedDataParallel(nn.Module):
         self._buckets = build_buckets(dense, layout, self._status_slots, self._host)
         log.debug("SyncedDataParallel(mode=%s, world_size=%d): %s", self._config.mode, self._world_size,
                   describe_buckets(self._buckets, self.module))
+        # The hooks hold this wrapper weakly and name buckets by index: a strong reference from a
+        # parameter's (C++) hook back to the wrapper is a cycle Python's collector cannot see.
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, slot))
+            param.register_post_accumulate_grad_hook(_weak_hook(self._on_grad_ready, bucket.index, slot))
             for bucket in self._buckets
             for slot, param in enumerate(bucket.params)
-        ] + [param.register_post_accumulate_grad_hook(self._on_sparse_grad_ready) for param in self._sparse.params]
+        ] + [param.register_post_accumulate_grad_hook(_weak_hook(self._on_sparse_grad_ready))
+             for param in self._sparse.params]
 
     @property
     def mode(self) -> str:
@@ -281,7 +284,8 @@ class SyncedDataParallel(nn.Module):
         if self._sync_enabled:
             self._arm_finish()
 
-    def _on_grad_ready(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, bucket_index: int, slot: int, param: torch.Tensor) -> None:
+        bucket = self._buckets[bucket_index]
         view = bucket.views[slot]
         if param.grad is not None and not is_view_of(param.grad, view):
             # Grads were set to None (zero_grad default): autograd allocated a fresh gradient.
@@ -339,3 +343,15 @@ class SyncedDataParallel(nn.Module):
         # another rank used takes the average like every other parameter.
         for param, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
             param.grad = view if used > 0 else None
+
+
+def _weak_hook(method: Any, *args: Any) -> Any:
+    """A gradient hook calling ``method(*args, param)`` while its object lives, and nothing after."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, param)
+
+    return hook

@@ -25,14 +25,18 @@ Used by :class:`parallel.grad_sync.SyncedDataParallel` (``grad_transport``). Pur
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import queue
 import re
 import threading
 import uuid
+import weakref
 from datetime import timedelta
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,9 +146,12 @@ class SharedMemoryAllReduce:
         self._prefix = os.path.join(SHM_DIR, name[0])
         self._arenas = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # A daemon thread: a process that exits while a peer is gone must not wait for it.
-        self._worker = threading.Thread(target=self._run, name="shm-all-reduce", daemon=True)
+        # A daemon thread: a process that exits while a peer is gone must not wait for it. It holds
+        # no reference to this object, so dropping it (without close()) ends the thread too.
+        self._worker = threading.Thread(target=_serve, args=(self._jobs, self._group, self._rank, self._world_size),
+                                        name="shm-all-reduce", daemon=True)
         self._worker.start()
+        self._stop = weakref.finalize(self, self._jobs.put, None)
         log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*", self._world_size, self._prefix)
 
     @property
@@ -157,63 +164,77 @@ class SharedMemoryAllReduce:
 
     def allocate(self, sizes: Sequence[tuple[int, torch.dtype]]) -> list[list[torch.Tensor]]:
         """Zeroed shared buffers of ``(numel, dtype)`` each: ``result[i][k]`` is rank k's buffer ``i``
-        (``result[i][rank]`` is this rank's own to write). Collective."""
-        offsets, total = [], 0
-        for numel, dtype in sizes:
-            offsets.append(total)
-            total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        (``result[i][rank]`` is this rank's own to write). Collective; waits for the sums queued before
+        it (the worker thread issues every barrier of the group, in call order)."""
         path = f"{self._prefix}-{self._arenas}-r%d"
         self._arenas += 1
-        fd = os.open(path % self._rank, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS mid-backward
-            os.posix_fallocate(fd, 0, max(total, 1))
-        finally:
-            os.close(fd)
-        dist.barrier(group=self._group)  # every rank's file exists
-        arenas = [_map(path % rank, max(total, 1)) for rank in range(self._world_size)]
-        dist.barrier(group=self._group)  # every rank mapped every file: the names can go
-        os.unlink(path % self._rank)
-        return [[arena[offset: offset + numel * dtype.itemsize].view(dtype) for arena in arenas]
-                for offset, (numel, dtype) in zip(offsets, sizes)]
+        return self._submit(functools.partial(_allocate, path, sizes), label=None).wait()
 
     def all_reduce(self, buffers: Sequence[torch.Tensor]) -> torch.futures.Future:
         """Start summing every rank's ``buffers[k]`` into each of them; the future's ``wait()`` waits
         (and raises what the worker met, e.g. a peer that died)."""
         mine = buffers[self._rank]
+        return self._submit(functools.partial(_sum_in_place, buffers),
+                            label=f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])")
+
+    def _submit(self, job: Any, label: str | None) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
-        with record_function(f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])"):
-            self._jobs.put((buffers, future))
+        with record_function(label) if label else contextlib.nullcontext():
+            self._jobs.put((job, future))
         return future
 
     def close(self) -> None:
         """Stop the worker thread once the queued all-reduces are done (the buffers stay valid)."""
-        if self._worker.is_alive():
-            self._jobs.put(None)
-            self._worker.join(timeout=5.0)
+        self._stop()  # queues the end once, here or when this object is collected
+        self._worker.join(timeout=5.0)
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            buffers, future = job
-            try:
-                with record_function(WORKER_LABEL):
-                    self._sum_in_place(buffers)
-            except Exception as error:  # handed to the waiting thread
-                future.set_exception(error)
-            else:
-                future.set_result(None)
 
-    def _sum_in_place(self, buffers: Sequence[torch.Tensor]) -> None:
-        rank, world_size = self._rank, self._world_size
-        numel = buffers[rank].numel()
-        bounds = [k * numel // world_size for k in range(world_size + 1)]
-        chunks = [[buffer[bounds[k]: bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
-        dist.barrier(group=self._group)  # every rank's contribution is in place
-        own = chunks[rank][rank]
-        for k in range(world_size):  # the same order on every run: bitwise repeatable
-            if k != rank:
-                own.add_(chunks[rank][k])
-        dist.barrier(group=self._group)  # every chunk is summed, each in its owner's buffer
-        for k in range(world_size):
-            if k != rank:
-                chunks[k][rank].copy_(chunks[k][k])
-        dist.barrier(group=self._group)  # nobody reads this rank's buffer any more
+def _serve(jobs: queue.SimpleQueue, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    """The worker thread: runs the queued jobs (sums, allocations) in call order until ``None`` arrives.
+    Only this thread uses ``group``: its barriers can never interleave differently on two ranks."""
+    while (item := jobs.get()) is not None:
+        job, future = item
+        try:
+            with record_function(WORKER_LABEL):
+                result = job(group, rank, world_size)
+        except Exception as error:  # handed to the waiting thread
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def _allocate(path: str, sizes: Sequence[tuple[int, torch.dtype]], group: dist.ProcessGroup, rank: int,
+              world_size: int) -> list[list[torch.Tensor]]:
+    offsets, total = [], 0
+    for numel, dtype in sizes:
+        offsets.append(total)
+        total += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+    fd = os.open(path % rank, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS mid-backward
+        os.posix_fallocate(fd, 0, max(total, 1))
+    finally:
+        os.close(fd)
+    try:
+        dist.barrier(group=group)  # every rank's file exists
+        arenas = [_map(path % k, max(total, 1)) for k in range(world_size)]
+        dist.barrier(group=group)  # every rank mapped every file: the names can go
+    finally:  # also when a peer failed: nothing stays in /dev/shm
+        os.unlink(path % rank)
+    return [[arena[offset: offset + numel * dtype.itemsize].view(dtype) for arena in arenas]
+            for offset, (numel, dtype) in zip(offsets, sizes)]
+
+
+def _sum_in_place(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    numel = buffers[rank].numel()
+    bounds = [k * numel // world_size for k in range(world_size + 1)]
+    chunks = [[buffer[bounds[k]: bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
+    dist.barrier(group=group)  # every rank's contribution is in place
+    own = chunks[rank][rank]
+    for k in range(world_size):  # the same order on every run: bitwise repeatable
+        if k != rank:
+            own.add_(chunks[rank][k])
+    dist.barrier(group=group)  # every chunk is summed, each in its owner's buffer
+    for k in range(world_size):
+        if k != rank:
+            chunks[k][rank].copy_(chunks[k][k])
+    dist.barrier(group=group)  # nobody reads this rank's buffer any more

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
+import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -30,6 +33,7 @@ def _contribution(rank: int, index: int, numel: int, dtype: torch.dtype) -> torc
 
 
 def _sum_both_ways(rank: int, world_size: int) -> dict:
+    before = set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*")))  # other runs' are not this test's business
     host = SharedMemoryAllReduce()
     shared = host.allocate(_SIZES)
     zeroed = all(bool((every[rank] == 0).all()) for every in shared)
@@ -43,7 +47,7 @@ def _sum_both_ways(rank: int, world_size: int) -> dict:
         future = host.all_reduce(every)
     future.wait()
     host.close()
-    leftovers = glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))
+    leftovers = sorted(set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))) - before)
     return {"zeroed": zeroed, "shm": [every[rank].clone() for every in shared], "gloo": gloo, "leftovers": leftovers}
 
 
@@ -87,6 +91,29 @@ def test_a_silent_peer_raises_after_the_timeout(tmp_path):
     # Alive, its sockets open, but silent for 6 s: the group's 2 s timeout ends the wait.
     outcome = run_workers(_peer_missing, 2, args=(6.0,), init_file=tmp_path / "store", timeout_s=30)[0]
     assert outcome["error"] is not None and 1.5 < outcome["seconds"] < 5, outcome
+
+
+def _workers_alive() -> int:
+    return sum(thread.name == "shm-all-reduce" for thread in threading.enumerate())
+
+
+def _dropped_without_close(rank: int, world_size: int) -> list:
+    before = _workers_alive()
+    net = nn.Linear(4, 2)
+    model = SyncedDataParallel(net)
+    model(torch.ones(3, 4)).sum().backward()  # one shared sum: the hooks and the worker have run
+    during, wrapper = _workers_alive(), weakref.ref(model)
+    del model
+    gc.collect()
+    time.sleep(0.2)
+    net(torch.ones(3, 4)).sum().backward()  # the net lives on; its hooks are now no-ops
+    return [before, during, wrapper() is None, _workers_alive()]
+
+
+def test_a_dropped_wrapper_is_collected_and_stops_its_worker_thread(tmp_path):
+    # A long-lived process that builds wrappers (a notebook, a test session) must not collect them forever.
+    for result in run_workers(_dropped_without_close, 2, init_file=tmp_path / "store"):
+        assert result == [0, 1, True, 0]
 
 
 def _choices(rank: int, world_size: int) -> dict:
