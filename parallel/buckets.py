@@ -175,7 +175,7 @@ def build_buckets(
     shared = host.allocate(sizes) if host is not None and groups else [None] * len(groups)
     buckets = []
     for bucket_index, (members, slots, (size, dtype), every_rank) in enumerate(zip(members_of, slots_of, sizes, shared)):
-        buffer = (every_rank[host.rank] if host is not None and every_rank is not None
+        buffer = (every_rank[host.rank] if every_rank is not None  # only with a host
                   else torch.zeros(size, dtype=dtype, device=members[0].device))
         views, offset = [], 0
         for p in members:

@@ -13,12 +13,13 @@ computed in place, each rank reading its peers' memory directly::
     5. barrier: no rank reads rank r's buffer any more; it may be written again
 
 Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
-after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly). The barriers run on a gloo group of their own, so they never
-interleave with the default group's collectives, a dead peer raises instead of hanging, and the
-memory ordering between ranks comes from their system calls (no hand-written fences). One worker
-thread per process runs the steps in launch order, so backward goes on meanwhile, as it does
-beside gloo's own threads. Shared files are unlinked as soon as every rank mapped them: nothing
-is left in ``/dev/shm`` when a process dies.
+after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly).
+The barriers run on a gloo group of their own, so they never interleave with the default group's
+collectives, a dead peer raises instead of hanging, and the memory ordering between ranks comes
+from their system calls (no hand-written fences). One worker thread per process issues every
+barrier of that group (sums and allocations, in call order), so backward goes on meanwhile, as it
+does beside gloo's own threads. Shared files are unlinked once every rank mapped them (or the
+allocation failed): only a process killed inside an allocation leaves its file in ``/dev/shm``.
 
 Used by :class:`parallel.grad_sync.SyncedDataParallel` (``grad_transport``). Pure torch; no Lightning.
 """
