@@ -5,7 +5,8 @@
 
 Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (SGD, momentum, a
 fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, its buckets
-summed by gloo instead of in shared memory (``_gloo``: ``grad_transport="process_group"``), bf16 wire
+summed by gloo instead of in shared memory (``_gloo``: ``grad_transport="process_group"``) or in
+shared memory behind gloo barriers instead of futex ones (``_gloo_barriers``), bf16 wire
 compression (summed by gloo, compared with ``_gloo``) and ZeRO-1, against ``ddp_default`` (buffers broadcast every forward) and ``ddp_tuned``
 (``gradient_as_bucket_view=True, forward_sync_buffers=False``); SyncedDataParallel runs with
 ``broadcast_buffers=False`` like ``ddp_tuned``. Exposed communication = step -
@@ -38,6 +39,7 @@ from benchmarks.harness import (
 from measure.collective_count import Window, count_collectives
 from measure.memory import return_freed_memory_above
 from benchmarks.launcher import run_workers
+from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
 
@@ -53,6 +55,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
     "bucketed_25mb_first1mb": ("sdp", {"mode": "bucketed", "first_bucket_cap_mb": 1.0}),
     # Buckets summed by gloo (TCP loopback) instead of in shared memory (grad_transport="auto" here).
     "bucketed_25mb_gloo": ("sdp", {"mode": "bucketed", "grad_transport": "process_group"}),
+    # Shared-memory sums whose barriers are gloo's (as on CPUs other than x86-64) instead of futex waits.
+    "bucketed_25mb_gloo_barriers": ("sdp", {"mode": "bucketed", "barriers": "gloo"}),
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
     "ddp_default": ("ddp", {"gradient_as_bucket_view": False}),  # everything else: torch's defaults
@@ -91,7 +95,9 @@ def _setup(rank: int, model_name: str, variant: str, cfg: dict[str, Any]) -> tup
     sgd = {"lr": 0.01, "momentum": 0.9}
     optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd) if options.get("zero1") else \
         torch.optim.SGD(net.parameters(), **sgd)
-    model = wrap(net, **{k: v for k, v in options.items() if k != "zero1"})
+    if options.get("barriers") == "gloo":  # each variant runs in fresh processes: nothing else sees this
+        host_reduce.local_problem = lambda peers: "gloo barriers forced by the benchmark variant"
+    model = wrap(net, **{k: v for k, v in options.items() if k not in ("zero1", "barriers")})
     return model, optimizer, torch.randn_like(x), torch.randint(0, 100, y.shape)
 
 
@@ -203,7 +209,8 @@ def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[float]
             "round_spread": (max(medians) - min(medians)) / float(np.median(step)),
             "vs_fp32": asdict(ratio_ci(step, pooled[fp32])) if fp32 in pooled else None,
             # The shared-memory sum (grad_transport="auto" here) against gloo's over TCP loopback.
-            "vs_gloo": asdict(ratio_ci(step, pooled[f"{name}_gloo"])) if f"{name}_gloo" in pooled else None,
+            **{f"vs_{other}": asdict(ratio_ci(step, pooled[f"{name}_{other}"])) if f"{name}_{other}" in pooled else None
+               for other in ("gloo", "gloo_barriers")},
             # Diagnostic only (a plain median): time blocked in finish(), blind to compute slowed by gloo.
             "finish_s": float(np.median(_pooled(sample["finish_s_by_round"])))
             if communicates and sample["buckets"] is not None else None,
@@ -231,6 +238,8 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
             ("bucketed 25 MiB: exposed communication share of the step (vs no_sync)", bucketed["exposed_share"], "%"),
             ("bucketed 25 MiB, bf16 / fp32 gradients, both summed by gloo: step time", bf16.get("vs_fp32"), "x"),
             ("bucketed 25 MiB, buckets summed in shared memory / by gloo: step time", bucketed.get("vs_gloo"), "x"),
+            ("bucketed 25 MiB, shared-memory sums with futex / gloo barriers: step time",
+             bucketed.get("vs_gloo_barriers"), "x"),
             ("bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second",
              bucketed["speedup_vs_single_all_cores"], "x")) if value is not None]
     zero1 = record.get("zero1", [])

@@ -14,12 +14,14 @@ computed in place, each rank reading its peers' memory directly::
 
 Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
 after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly).
-The barriers run on a gloo group of their own, so they never interleave with the default group's
-collectives, a dead peer raises instead of hanging, and the memory ordering between ranks comes
-from their system calls (no hand-written fences). One worker thread per process issues every
-barrier of that group (sums and allocations, in call order), so backward goes on meanwhile, as it
-does beside gloo's own threads. Shared files are unlinked once every rank mapped them (or the
-allocation failed): only a process killed inside an allocation leaves its file in ``/dev/shm``.
+The barriers are futex waits on words in shared memory (:mod:`parallel.shm_barrier`: ~10 us, a dead
+peer raises within 0.1 s, a silent one after ``timeout``); where those cannot apply (not x86-64,
+peers not visible in ``/proc``) they are barriers of a gloo group of our own, whose system calls
+order memory between ranks. A gloo group of our own also runs the allocations, so they never
+interleave with the default group's collectives. One worker thread per process issues every barrier
+(sums and allocations, in call order), so backward goes on meanwhile, as it does beside gloo's own
+threads. Shared files are unlinked once every rank mapped them (or the allocation failed): only a
+process killed inside an allocation leaves its file in ``/dev/shm``.
 
 Used by :class:`parallel.grad_sync.SyncedDataParallel` (``grad_transport``). Pure torch; no Lightning.
 """
@@ -36,13 +38,14 @@ import threading
 import uuid
 import weakref
 from datetime import timedelta
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from parallel.shm_barrier import FutexBarrier, ProcessIdentity, local_problem, own_identity
 from parallel.sync_config import GRAD_TRANSPORTS
 
 __all__ = ["SharedMemoryAllReduce", "open_shared_memory_all_reduce", "parse_launch_label"]
@@ -142,9 +145,10 @@ class SharedMemoryAllReduce:
         # Barriers only, never interleaved with other collectives; timeout None: torch's default.
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        name = [f"lit_cifar-{uuid.uuid4().hex}" if self._rank == 0 else None]
-        dist.broadcast_object_list(name, src=0, group=self._group)
-        self._prefix = os.path.join(SHM_DIR, name[0])
+        every = [None] * self._world_size  # (rank 0's file name prefix, each rank's process)
+        name = f"lit_cifar-{uuid.uuid4().hex}" if self._rank == 0 else None
+        dist.all_gather_object(every, (name, own_identity()), group=self._group)
+        self._prefix = os.path.join(SHM_DIR, every[0][0])
         self._arenas = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # A daemon thread: a process that exits while a peer is gone must not wait for it. It holds
@@ -153,7 +157,25 @@ class SharedMemoryAllReduce:
                                         name="shm-all-reduce", daemon=True)
         self._worker.start()
         self._stop = weakref.finalize(self, self._jobs.put, None)
-        log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*", self._world_size, self._prefix)
+        self._barrier = self._open_barrier([identity for _, identity in every], timeout)
+        log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*, %s barriers", self._world_size,
+                  self._prefix, self.barrier_kind)
+
+    def _open_barrier(self, peers: list[ProcessIdentity], timeout: timedelta | None) -> Any:
+        """A :class:`FutexBarrier` where every rank can use one, else the group's gloo barrier. Collective."""
+        verdicts: list[str | None] = [None] * self._world_size
+        dist.all_gather_object(verdicts, local_problem(peers), group=self._group)
+        problems = [f"rank {rank}: {problem}" for rank, problem in enumerate(verdicts) if problem]
+        if problems:
+            log.info("shared-memory sums keep gloo barriers: %s", "; ".join(problems))
+            return functools.partial(dist.barrier, group=self._group)
+        (words,) = self.allocate([(_ALIGN // 4, torch.int32)])  # one word per rank, on its own cache line
+        return FutexBarrier(words, self._rank, peers, timeout).wait
+
+    @property
+    def barrier_kind(self) -> str:
+        """``"futex"`` (shared-memory words) or ``"gloo"`` (the group's barrier): see :mod:`parallel.shm_barrier`."""
+        return "gloo" if isinstance(self._barrier, functools.partial) else "futex"
 
     @property
     def rank(self) -> int:
@@ -175,7 +197,7 @@ class SharedMemoryAllReduce:
         """Start summing every rank's ``buffers[k]`` into each of them; the future's ``wait()`` waits
         (and raises what the worker met, e.g. a peer that died)."""
         mine = buffers[self._rank]
-        return self._submit(functools.partial(_sum_in_place, buffers),
+        return self._submit(functools.partial(_sum_in_place, buffers, self._barrier),
                             label=f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])")
 
     def _submit(self, job: Any, label: str | None) -> torch.futures.Future:
@@ -225,17 +247,18 @@ def _allocate(path: str, sizes: Sequence[tuple[int, torch.dtype]], group: dist.P
             for offset, (numel, dtype) in zip(offsets, sizes)]
 
 
-def _sum_in_place(buffers: Sequence[torch.Tensor], group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+def _sum_in_place(buffers: Sequence[torch.Tensor], barrier: Callable[[], Any], group: dist.ProcessGroup, rank: int,
+                  world_size: int) -> None:
     numel = buffers[rank].numel()
     bounds = [k * numel // world_size for k in range(world_size + 1)]
     chunks = [[buffer[bounds[k]: bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
-    dist.barrier(group=group)  # every rank's contribution is in place
+    barrier()  # every rank's contribution is in place
     own = chunks[rank][rank]
     for k in range(world_size):  # the same order on every run: bitwise repeatable
         if k != rank:
             own.add_(chunks[rank][k])
-    dist.barrier(group=group)  # every chunk is summed, each in its owner's buffer
+    barrier()  # every chunk is summed, each in its owner's buffer
     for k in range(world_size):
         if k != rank:
             chunks[k][rank].copy_(chunks[k][k])
-    dist.barrier(group=group)  # nobody reads this rank's buffer any more
+    barrier()  # nobody reads this rank's buffer any more

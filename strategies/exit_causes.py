@@ -23,13 +23,14 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.stall_watch import describe_where, process_state
 
 __all__ = ["CAUSE_WAIT_S", "cause_text", "is_peer_loss", "peer_causes", "write_exit_record"]
 
 CAUSE_WAIT_S = 2.0
 _PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
-                        r"Timed out waiting|Connection refused|ECONNRESET", re.IGNORECASE)
+                        r"Timed out waiting|Connection refused|ECONNRESET|" + re.escape(PEER_LOSS_TEXT), re.IGNORECASE)
 
 
 def is_peer_loss(error: BaseException) -> bool:

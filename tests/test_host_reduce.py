@@ -20,6 +20,7 @@ from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import GradSyncConfig
+from strategies.exit_causes import is_peer_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -32,8 +33,15 @@ def _contribution(rank: int, index: int, numel: int, dtype: torch.dtype) -> torc
     return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def _sum_both_ways(rank: int, world_size: int) -> dict:
+def _keep_gloo_barriers_if(forced: bool) -> None:
+    """In a worker: make every rank's futex check fail, as on a machine that is not x86-64."""
+    if forced:
+        host_reduce.local_problem = lambda peers: "forced by the test"
+
+
+def _sum_both_ways(rank: int, world_size: int, barrier: str) -> dict:
     before = set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*")))  # other runs' are not this test's business
+    _keep_gloo_barriers_if(barrier == "gloo")
     host = SharedMemoryAllReduce()
     shared = host.allocate(_SIZES)
     zeroed = all(bool((every[rank] == 0).all()) for every in shared)
@@ -48,14 +56,17 @@ def _sum_both_ways(rank: int, world_size: int) -> dict:
     future.wait()
     host.close()
     leftovers = sorted(set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))) - before)
-    return {"zeroed": zeroed, "shm": [every[rank].clone() for every in shared], "gloo": gloo, "leftovers": leftovers}
+    return {"zeroed": zeroed, "shm": [every[rank].clone() for every in shared], "gloo": gloo, "leftovers": leftovers,
+            "barrier": host.barrier_kind}
 
 
+@pytest.mark.parametrize("barrier", ["futex", "gloo"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size):
-    results = run_workers(_sum_both_ways, world_size, init_file=tmp_path / "store")
+def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size, barrier):
+    results = run_workers(_sum_both_ways, world_size, args=(barrier,), init_file=tmp_path / "store")
     reference = [sum(_contribution(r, i, n, d).double() for r in range(world_size)) for i, (n, d) in enumerate(_SIZES)]
     for result in results:
+        assert result["barrier"] == barrier  # this suite runs on Linux x86-64: futex unless forced off
         assert result["zeroed"] and result["leftovers"] == []  # every name unlinked once all ranks mapped it
         for index, (shm, gloo, exact) in enumerate(zip(result["shm"], result["gloo"], reference)):
             assert torch.equal(shm, results[0]["shm"][index])  # one summation per chunk: the same bits everywhere
@@ -65,8 +76,9 @@ def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size
             torch.testing.assert_close(shm.double(), exact, atol=tolerance, rtol=tolerance)
 
 
-def _peer_missing(rank: int, world_size: int, silent_s: float | None) -> dict:
+def _peer_missing(rank: int, world_size: int, silent_s: float | None, barrier: str) -> dict:
     """Rank 1 never joins the sum: it ends (``silent_s`` None) or stays alive and silent that long."""
+    _keep_gloo_barriers_if(barrier == "gloo")
     host = SharedMemoryAllReduce(timeout=None if silent_s is None else timedelta(seconds=2))
     (every,) = host.allocate([(1000, torch.float32)])
     if rank == 1:
@@ -80,16 +92,19 @@ def _peer_missing(rank: int, world_size: int, silent_s: float | None) -> dict:
     return {"error": None, "seconds": time.monotonic() - started}
 
 
-def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path):
-    # timeout_s bounds the group; the peer's closed sockets must end the wait long before it.
-    outcome = run_workers(_peer_missing, 2, args=(None,), init_file=tmp_path / "store", timeout_s=60,
+@pytest.mark.parametrize("barrier", ["futex", "gloo"])
+def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path, barrier):
+    # timeout_s bounds the group; the peer's exit (its closed sockets, its /proc entry) must end the wait long before.
+    outcome = run_workers(_peer_missing, 2, args=(None, barrier), init_file=tmp_path / "store", timeout_s=60,
                           deadline_margin_s=10)[0]
     assert outcome["error"] is not None and outcome["seconds"] < 10, outcome
+    assert is_peer_loss(RuntimeError(outcome["error"]))  # the strategy's exit record reads it as a lost peer
 
 
-def test_a_silent_peer_raises_after_the_timeout(tmp_path):
+@pytest.mark.parametrize("barrier", ["futex", "gloo"])
+def test_a_silent_peer_raises_after_the_timeout(tmp_path, barrier):
     # Alive, its sockets open, but silent for 6 s: the group's 2 s timeout ends the wait.
-    outcome = run_workers(_peer_missing, 2, args=(6.0,), init_file=tmp_path / "store", timeout_s=30)[0]
+    outcome = run_workers(_peer_missing, 2, args=(6.0, barrier), init_file=tmp_path / "store", timeout_s=30)[0]
     assert outcome["error"] is not None and 1.5 < outcome["seconds"] < 5, outcome
 
 

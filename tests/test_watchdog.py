@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_cifar.run_dir import resume_last_version
 from strategies.custom_ddp import CustomDDPStrategy
+from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from parallel.buckets import Bucket
 from strategies.heartbeat import Progress, connect_store, main_thread_state, stack_text
@@ -156,6 +157,7 @@ def test_survivors_name_the_rank_that_raised_and_one_killed_without_a_word(store
 def test_peer_loss_errors_are_recognised() -> None:
     error = RuntimeError("[../pair.cc:561] Connection closed by peer [127.0.0.1]:33443")
     assert is_peer_loss(error) and not is_peer_loss(ValueError("bad"))
+    assert is_peer_loss(RuntimeError(f"{PEER_LOSS_TEXT}: rank 1 (pid 7) exited while rank 0 waited for it"))
     assert cause_text(ValueError("bad\nsecond line")) == "ValueError: bad"
 
 
