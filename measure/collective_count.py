@@ -186,9 +186,11 @@ def _collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: b
     return Collective(op, kind, source, size, shapes, dtype, root, before_batch)
 
 
-def _shared_memory_collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: bool) -> Collective:
-    """A launch of :class:`parallel.host_reduce.SharedMemoryAllReduce`: one all-reduce of the buffer its label names."""
-    dtype, numel = parse_launch_label(event.name)
+def _shared_memory_collective(label: tuple[str, int], ancestors: list[str], hints: _Hints,
+                              before_batch: bool) -> Collective:
+    """A launch of :class:`parallel.host_reduce.SharedMemoryAllReduce`: one all-reduce of the buffer its
+    ``label`` (:func:`parallel.host_reduce.parse_launch_label`) names."""
+    dtype, numel = label
     size = numel * getattr(torch, dtype).itemsize
     source = _source("all_reduce", ancestors, ((numel,),), dtype, hints)
     return Collective("shared_memory_all_reduce", "all_reduce", source, size, ((numel,),), dtype, None, before_batch)
@@ -214,16 +216,16 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
             marker_ns = event.start_time_ns
         elif name == WORKER_LABEL:  # its barriers are the shared-memory all-reduce counted at launch
             continue
-        elif (name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS) or parse_launch_label(name):
-            found.append((event.start_time_ns, event, ancestors))
+        elif (label := parse_launch_label(name)) or (name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS):
+            found.append((event.start_time_ns, event, ancestors, label))
             continue
         stack.extend((child, [*ancestors, name]) for child in reversed(event.children))
     found.sort(key=lambda item: item[0])
-    collectives = [
-        (_shared_memory_collective if parse_launch_label(event.name) else _collective)(
-            event, ancestors, hints, marker_ns is not None and start < marker_ns)
-        for start, event, ancestors in found
-    ]
+    collectives = []
+    for start, event, ancestors, label in found:
+        before = marker_ns is not None and start < marker_ns
+        collectives.append(_shared_memory_collective(label, ancestors, hints, before) if label
+                           else _collective(event, ancestors, hints, before))
     sigterm = [i for i, c in enumerate(collectives) if _is_sigterm_candidate(c)]
     if sigterm:  # rule 6: the last candidate
         collectives[sigterm[-1]] = replace(collectives[sigterm[-1]], source="lightning_sigterm")

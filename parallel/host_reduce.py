@@ -14,8 +14,8 @@ computed in place, each rank reading its peers' memory directly::
 
 Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
 after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly).
-The barriers are futex waits on words in shared memory (:mod:`parallel.shm_barrier`: ~10 us, a dead
-peer raises within 0.1 s, a silent one after ``timeout``); where those cannot apply (not x86-64,
+The barriers are futex waits on words in shared memory (:mod:`parallel.shm_barrier`: no round trip
+through gloo's threads; a dead peer raises within 0.1 s, a silent one after ``timeout``); where those cannot apply (not x86-64,
 peers not visible in ``/proc``) they are barriers of a gloo group of our own, whose system calls
 order memory between ranks. A gloo group of our own also runs the allocations, so they never
 interleave with the default group's collectives. One worker thread per process issues every barrier

@@ -53,6 +53,7 @@ _SOURCES = (
     ("parallel/syncbn_function.py", "backward", "SyncBN backward"),
     ("parallel/syncbn_function.py", "", "SyncBN forward"),
     ("parallel/grad_sync.py", "", "gradient bucket (SyncedDataParallel)"),
+    ("parallel/reducer.py", "", "gradient bucket (SyncedDataParallel)"),
     ("parallel/buckets.py", "", "gradient bucket (SyncedDataParallel)"),
     ("parallel/metric_sync.py", "", "evaluation metric reduction"),
     ("parallel/eval_sharding.py", "", "evaluation scatter"),

@@ -54,7 +54,8 @@ _BUSY_FRAMES = (
 )
 # Innermost frames of a main thread that waits for peers: a collective, or a gradient bucket's
 # all-reduce (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future).
-_WAIT_FRAMES = ("torch/distributed/", "torch/futures/", "parallel/grad_sync.py", "parallel/buckets.py")
+_WAIT_FRAMES = ("torch/distributed/", "torch/futures/", "parallel/grad_sync.py", "parallel/reducer.py",
+                "parallel/buckets.py")
 
 
 def connect_store(host: str, port: int, prefix: str) -> dist.Store:

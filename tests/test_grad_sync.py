@@ -340,9 +340,9 @@ def test_bad_options_name_the_value(kwargs, match):
 
 def test_bucket_layout_is_logged_at_debug(caplog):
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    with caplog.at_level("DEBUG", logger="parallel.grad_sync"):
+    with caplog.at_level("DEBUG", logger="parallel.reducer"):
         SyncedDataParallel(net, **_SMALL_BUCKETS)
-    (record,) = [r for r in caplog.records if r.name == "parallel.grad_sync"]
+    (record,) = [r for r in caplog.records if r.name == "parallel.reducer"]
     text = record.getMessage()
     assert "mode=bucketed, world_size=1" in text and "bucket 0:" in text
     assert "2.weight" in text and "0.bias" in text  # parameters are named, last layer first
