@@ -13,10 +13,11 @@ at it), so "not the previous generation" means "arrived". What it saves in a ste
 ``benchmarks/results/grad_sync``, variant ``bucketed_25mb_gloo_barriers`` against ``bucketed_25mb``.
 
 Memory ordering: a rank's data (gradients written by backward, chunks summed by its worker thread)
-must be visible to a peer that sees its new generation. x86-64 keeps stores in program order and
-loads in program order (TSO, multi-copy atomic), and every store here is a separate C call after the
-data's kernels returned, so no fence is needed there; elsewhere :func:`local_problem` says no and
-the caller keeps gloo barriers.
+must be visible to a peer that sees its new generation, and a peer's reads of this rank's buffer
+must be done before this rank, past the last barrier, writes it again. x86-64 keeps stores in
+program order, loads in program order, and never moves a store before an earlier load (TSO,
+multi-copy atomic); every store of a word is a separate C call after the data's kernels returned,
+so no fence is needed. Elsewhere :func:`local_problem` says no and the caller keeps gloo barriers.
 
 Liveness: a sleeping rank wakes every ``POLL_S`` to check its peers in ``/proc`` (a peer that
 exited, or a zombie its parent has not reaped yet, is gone) and the deadline. A dead peer raises
