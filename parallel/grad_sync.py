@@ -108,7 +108,6 @@ class SyncedDataParallel(nn.Module):
         super().__init__()
         self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression, grad_transport)
         self.module = module
-        self._process_group = process_group
         self._world_size = group_world_size(process_group)
         self._backend = dist.get_backend(process_group) if self._world_size > 1 else "gloo"
         if broadcast_init and self._world_size > 1:

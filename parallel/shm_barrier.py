@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["POLL_S", "PEER_LOSS_TEXT", "FutexBarrier", "ProcessIdentity", "is_running", "local_problem", "own_identity"]
+__all__ = ["POLL_S", "PEER_LOSS_TEXT", "FutexBarrier", "ProcessIdentity", "is_running", "local_problem", "own_identity",
+           "proc_stat"]
 
 POLL_S = 0.1  # seconds a rank sleeps before it looks at its peers again
 PEER_LOSS_TEXT = "peer lost at a shared-memory barrier"  # strategies.exit_causes matches it
@@ -60,7 +61,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
     """``(state, start time in clock ticks)`` of ``pid`` from ``/proc``, ``None`` if there is none."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -71,13 +72,13 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 
 
 def own_identity() -> ProcessIdentity:
-    stat = _proc_stat(os.getpid())
+    stat = proc_stat(os.getpid())
     return ProcessIdentity(os.getpid(), stat[1] if stat else -1)
 
 
 def is_running(identity: ProcessIdentity) -> bool:
     """Whether that very process still runs: not gone, not a zombie, its pid not reused."""
-    stat = _proc_stat(identity.pid)
+    stat = proc_stat(identity.pid)
     return stat is not None and stat[1] == identity.start_ticks and stat[0] not in ("Z", "X")
 
 

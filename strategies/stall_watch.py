@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from parallel.shm_barrier import proc_stat
+
 __all__ = ["ANSWER_S", "BUSY_FACTOR", "STALL_EXIT_STATUS", "Seen", "StallWatch", "describe_where", "judge", "process_state"]
 
 # Exit status of every rank of a job a stalled rank ended: EX_TEMPFAIL of sysexits.h ("temporary
@@ -98,11 +100,8 @@ def describe_where(record: Optional[dict[str, Any]]) -> str:
 
 def process_state(pid: int) -> str:
     """``"R"``/``"S"``/``"T"`` (stopped)/... from ``/proc``, ``"gone"`` if no such process (this machine only)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
+    stat = proc_stat(pid)
+    return stat[0] if stat is not None else "gone"
 
 
 def _write(text: str) -> None:
