@@ -174,9 +174,10 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
                f"threshold {quiet['threshold']:.2f}; other processes used {share} of the machine during it, limit "
                f"{limit}). Do not quote these numbers as ratios; re-run on a quiet machine.**", ""]
     module = f"benchmarks.{record['benchmark']}"
+    cpu_id = f" [{env['cpu_id']}]" if env.get("cpu_id") else ""  # absent from records made before it was kept
     method = (importlib.import_module(module).__doc__ or "").split("\n", 1)[1:] if find_spec(module) else []
     return [f"# {title}", "", *(warning if not quiet["comparable"] else []), f"Command: `{record['command']}`", "",
-            f"Machine: {env['cpu']} ({env['cpu_count']} cores), GPUs: {', '.join(env['gpus']) or 'none'}; torch "
+            f"Machine: {env['cpu']}{cpu_id} ({env['cpu_count']} cores), GPUs: {', '.join(env['gpus']) or 'none'}; torch "
             f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
             f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
             f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "

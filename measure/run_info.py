@@ -32,15 +32,33 @@ def display_path(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
-def _cpu_model() -> str:
+def _first_cpu_fields() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def _cpu_model() -> str:
+    return _first_cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_id() -> str | None:
+    """Vendor, family, model and stepping: a hypervisor may show every generation as plain "AMD EPYC",
+    and ratios differ between CPU generations, so a record must tell them apart."""
+    fields = _first_cpu_fields()
+    keys = ("vendor_id", "cpu family", "model", "stepping")
+    if not all(key in fields for key in keys):
+        return None
+    return "{} family {} model {} stepping {}".format(*(fields[key] for key in keys))
 
 
 def _version(package: str) -> str:
@@ -55,6 +73,7 @@ def environment() -> dict[str, Any]:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpus": gpus,

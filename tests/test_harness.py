@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from benchmarks.harness import (
     verdict,
     write_record,
 )
+from measure.run_info import environment
 
 
 def test_interleave_alternates_the_order():
@@ -118,3 +121,15 @@ def test_quick_never_writes_into_the_committed_results(tmp_path):
     assert parse(p, []).out == Path("benchmarks/results/demo")
     with pytest.raises(SystemExit):
         parse(p, ["--quick", "--out", "benchmarks/results/demo"])
+
+
+def test_records_tell_cpu_generations_apart(tmp_path):
+    """A hypervisor may name every EPYC generation "AMD EPYC": the record keeps family, model and stepping."""
+    env = environment()
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo on this system")
+    assert re.fullmatch(r"\S+ family \d+ model \d+ stepping \d+", env["cpu_id"]), env["cpu_id"]
+    record = make_record("demo", {}, Quietness(threshold=0.5, waited_s=0.0, load_before=0.2))
+    assert any(f"Machine: {env['cpu']} [{env['cpu_id']}] (" in line for line in report(record, "Demo", []))
+    del record["environment"]["cpu_id"]  # a record made before cpu_id was kept still reports
+    assert any(f"Machine: {env['cpu']} (" in line for line in report(record, "Demo", []))
