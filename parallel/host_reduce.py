@@ -15,9 +15,9 @@ computed in place, each rank reading its peers' memory directly::
 Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
 after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly).
 The barriers are futex waits on words in shared memory (:mod:`parallel.shm_barrier`: no round trip
-through gloo's threads; a dead peer raises within 0.1 s, a silent one after ``timeout``); where those cannot apply (not x86-64,
-peers not visible in ``/proc``) they are barriers of a gloo group of our own, whose system calls
-order memory between ranks. A gloo group of our own also runs the allocations, so they never
+through gloo's threads; a dead peer raises within 0.1 s, a silent one after ``timeout``); where those
+cannot apply (not x86-64, peers not visible in ``/proc``) they are barriers of a gloo group of our
+own, whose system calls order memory between ranks. A gloo group of our own also runs the allocations, so they never
 interleave with the default group's collectives. One worker thread per process issues every barrier
 (sums and allocations, in call order), so backward goes on meanwhile, as it does beside gloo's own
 threads. Shared files are unlinked once every rank mapped them (or the allocation failed): only a
@@ -157,25 +157,26 @@ class SharedMemoryAllReduce:
                                         name="shm-all-reduce", daemon=True)
         self._worker.start()
         self._stop = weakref.finalize(self, self._jobs.put, None)
-        self._barrier = self._open_barrier([identity for _, identity in every], timeout)
+        self._barrier_kind, self._barrier = self._open_barrier([identity for _, identity in every], timeout)
         log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*, %s barriers", self._world_size,
                   self._prefix, self.barrier_kind)
 
-    def _open_barrier(self, peers: list[ProcessIdentity], timeout: timedelta | None) -> Any:
-        """A :class:`FutexBarrier` where every rank can use one, else the group's gloo barrier. Collective."""
+    def _open_barrier(self, peers: list[ProcessIdentity], timeout: timedelta | None) -> tuple[str, Callable[[], Any]]:
+        """``("futex", wait)`` of a :class:`FutexBarrier` where every rank can use one, else ``("gloo", the
+        group's barrier)``. Collective."""
         verdicts: list[str | None] = [None] * self._world_size
         dist.all_gather_object(verdicts, local_problem(peers), group=self._group)
         problems = [f"rank {rank}: {problem}" for rank, problem in enumerate(verdicts) if problem]
         if problems:
             log.info("shared-memory sums keep gloo barriers: %s", "; ".join(problems))
-            return functools.partial(dist.barrier, group=self._group)
+            return "gloo", functools.partial(dist.barrier, group=self._group)
         (words,) = self.allocate([(_ALIGN // 4, torch.int32)])  # one word per rank, on its own cache line
-        return FutexBarrier(words, self._rank, peers, timeout).wait
+        return "futex", FutexBarrier(words, self._rank, peers, timeout).wait
 
     @property
     def barrier_kind(self) -> str:
         """``"futex"`` (shared-memory words) or ``"gloo"`` (the group's barrier): see :mod:`parallel.shm_barrier`."""
-        return "gloo" if isinstance(self._barrier, functools.partial) else "futex"
+        return self._barrier_kind
 
     @property
     def rank(self) -> int:
