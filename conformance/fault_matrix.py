@@ -7,8 +7,8 @@ was written after the fault (and at which step), and whether ``fit --ckpt_path``
 to the end of training. Signals come from this process (``os.kill`` on one rank's pid, taken from
 the rank's event file) while the rank is where the row says: blocked in the SyncBN all_gather of a
 training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save.
-Stall rows (``stall_timeout`` 20 s) stop rank 1 with SIGSTOP, loop forever in its ``training_step``
-or block its DataLoader; one holds rank 0's checkpoint save for 2 x ``stall_timeout`` (must not
+Stall rows (``stall_timeout`` 20 s) stop rank 1 or rank 0 (the store's host) with SIGSTOP, loop
+forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0's checkpoint save for 2 x ``stall_timeout`` (must not
 fire). Restart rows run the fit under ``torchrun --max-restarts=1`` with ``--ckpt_path last``: the
 job must finish (exit 0) and its final weights are compared with an uninterrupted run's. "Steps lost"
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written

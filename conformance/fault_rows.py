@@ -52,6 +52,8 @@ ROWS = (
         0, "train", timeout_s=10.0),
     Row("sigstop_rank1_train", "SIGSTOP of rank 1 during training (stall_timeout 20 s)", "SIGSTOP", 1, "train",
         stall_timeout_s=STALL_S),
+    Row("sigstop_rank0_train", "SIGSTOP of rank 0, the store's host, during training (stall_timeout 20 s)", "SIGSTOP",
+        0, "train", stall_timeout_s=STALL_S),
     Row("loop_rank1_train", "endless loop on rank 1 in training_step (stall_timeout 20 s)", "loop", 1, "train",
         stall_timeout_s=STALL_S),
     Row("block_loader_rank1", "DataLoader blocks on rank 1 (stall_timeout 20 s)", "block_loader", 1, "train",

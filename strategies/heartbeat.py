@@ -3,7 +3,8 @@
 Every rank runs one daemon thread (:class:`Heartbeat`) that never touches the process group. Once a
 second it writes this rank's record into the job's own ``torch.distributed`` TCP store (the
 rendezvous store: hosted by rank 0 under Lightning's launchers, by the elastic agent under
-``torchrun``) and hands every rank's record to a ``watch`` callback (:mod:`strategies.stall_watch`
+``torchrun``; every operation bounded in time, :mod:`strategies.job_store`) and hands every rank's
+record to a ``watch`` callback (:mod:`strategies.stall_watch`
 decides from them). The record holds:
 
 - ``seq``: the beat counter. It stops when the whole process stops (SIGSTOP, a frozen machine, a
@@ -34,18 +35,15 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from types import FrameType
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from strategies.desync import _collective_call, _source
+from strategies.job_store import BoundedStore
 
-__all__ = ["BEAT_S", "Heartbeat", "Progress", "connect_store", "main_thread_state", "stack_text"]
+__all__ = ["BEAT_S", "Heartbeat", "Progress", "main_thread_state", "stack_text"]
 
 BEAT_S = 1.0  # seconds between two records of one rank
-STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
 # Frames that make a slow main thread legitimately busy: (path part, function or "" for any, label).
 _BUSY_FRAMES = (
     ("lightning/pytorch/trainer/trainer.py", "save_checkpoint", "checkpoint save"),
@@ -56,12 +54,6 @@ _BUSY_FRAMES = (
 # all-reduce (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future).
 _WAIT_FRAMES = ("torch/distributed/", "torch/futures/", "parallel/grad_sync.py", "parallel/reducer.py",
                 "parallel/buckets.py")
-
-
-def connect_store(host: str, port: int, prefix: str) -> dist.Store:
-    """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_OP_S))
-    return dist.PrefixStore(prefix, store)
 
 
 class Progress:
@@ -127,8 +119,8 @@ class Heartbeat(threading.Thread):
     ``on_store_error`` instead.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, progress: Progress,
-                 watch: Callable[[list[Optional[dict[str, Any]]], dist.Store], None],
+    def __init__(self, store: BoundedStore, rank: int, world_size: int, progress: Progress,
+                 watch: Callable[[list[Optional[dict[str, Any]]], BoundedStore], None],
                  on_store_error: Callable[[Exception], None]) -> None:
         super().__init__(name=f"custom_ddp-heartbeat-{rank}", daemon=True)
         self.store, self.rank, self.world_size, self.progress = store, rank, world_size, progress

@@ -231,8 +231,8 @@ class StallWatch:
         """The store did not answer: after ``stall_timeout`` of that, end this rank with its own report."""
         now = self._clock()
         if self._store_failing_since is None:
-            self._store_failing_since = now
-            return
+            # A StoreUnanswered error says when the unanswered operation was sent (strategies.job_store).
+            self._store_failing_since = getattr(error, "since", now)
         if now - self._store_failing_since < self.stall_timeout:
             return
         host = [record for record in self.last_records if record and record["rank"] == 0]

@@ -33,7 +33,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
-from strategies.heartbeat import Heartbeat, Progress, connect_store
+from strategies.heartbeat import Heartbeat, Progress
+from strategies.job_store import connect_store
 from strategies.preemption import stop_checkpoint_path
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
 from strategies.stall_watch import StallWatch
@@ -104,10 +105,13 @@ class Watchdog(Callback):
             self._heartbeat = None
 
     def _disconnect(self) -> None:
-        # Drop every reference to this rank's store client: its socket closes now. Left open until
-        # interpreter exit, rank 0's store server (under Lightning's launchers) waits ~2 s at exit for
-        # the peers' heartbeat connections while those peers wait for rank 0 to exit first.
+        # Close this rank's store client now. Left open until interpreter exit, rank 0's store server
+        # (under Lightning's launchers) waits ~2 s at exit for the peers' heartbeat connections while
+        # those peers wait for rank 0 to exit first.
+        heartbeat = self._heartbeat
         self._stop()
+        if heartbeat is not None:
+            heartbeat.store.close()
         self._watch = None
 
     def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
@@ -125,8 +129,10 @@ class Watchdog(Callback):
             return "no checkpoint: the stage is over"
         # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
         waiting = own_record is not None and own_record.get("collective") and not own_record.get("busy")
-        return self.save_last(trainer) if waiting else self._newest_note(trainer, "this rank's main thread is not "
-                                                                                   "parked in a collective")
+        if waiting:
+            return self.save_last(trainer)
+        return self._newest_note(trainer, self._cannot_save(trainer) or "this rank's main thread is not parked in "
+                                                                         "a collective")
 
     def save_last(self, trainer: pl.Trainer) -> str:
         """On a stall or a peer's failure: rank 0 writes the checkpoint of the last completed optimizer step.

@@ -1,8 +1,9 @@
 """The fault matrix on a real 2-rank fit (popen launcher, real signals from outside, 30 s timeouts).
 
-The default run keeps four rows (about 90 s): SIGTERM to rank 1 while it waits in a SyncBN
-collective, a rank-only collective under ``desync_check``, an endless loop on rank 1 (a stall,
-``stall_timeout`` 20 s) and an exception on rank 1 under ``torchrun --max-restarts=1``. Every row,
+The default run keeps five rows (about 2 minutes): SIGTERM to rank 1 while it waits in a SyncBN
+collective, a rank-only collective under ``desync_check``, an endless loop on rank 1 and a SIGSTOP'd
+rank 0, the store's host (stalls, ``stall_timeout`` 20 s), and an exception on rank 1 under
+``torchrun --max-restarts=1``. Every row,
 with a resume from each checkpoint and the restart rows' final weights compared with an
 uninterrupted run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 8 minutes on 2 cores).
 """
@@ -28,6 +29,14 @@ def _check_stall(row: Row, result: Result) -> None:
     if row.fault == "slow_save":  # a save of 2 x stall_timeout: no stall, the fit goes on to the end
         assert result.status == {0: 0, 1: 0} and "stall" not in result.message, result
         assert result.resumed_to_step == STEPS_PER_EPOCH * EPOCHS, result
+        return
+    if row.rank == 0:
+        # The store's host under Lightning's launcher: rank 1's store calls go unanswered (bounded by
+        # strategies.job_store; they blocked for good before), it kills the stopped rank 0 and ends.
+        assert result.status[0] == 128 + 9, result  # SIGKILL: what a scheduler sees of the popen job
+        assert result.message.startswith("custom_ddp stall: rank 1: the job's store has not answered"), result
+        assert "rank 0 process state: T, killed" in result.message and "newest checkpoint" in result.message
+        assert STALL_S <= result.seconds_to_all_gone < WITHIN_S, result
         return
     assert result.status[0] == STALL_EXIT_STATUS, result
     assert result.message.startswith("custom_ddp stall: rank(s) 1 stalled") and "STALLED rank 1" in result.message
@@ -88,7 +97,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train",
-                                  "exception_rank1_restart"])
+                                  "sigstop_rank0_train", "exception_rank1_restart"])
 def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
     row = ROWS_BY_NAME[name]
     _check(row, run_row(row, tmp_path / name, resume=False), resumed=False)

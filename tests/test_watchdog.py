@@ -26,7 +26,8 @@ from strategies.custom_ddp import CustomDDPStrategy
 from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from parallel.buckets import Bucket
-from strategies.heartbeat import Progress, connect_store, main_thread_state, stack_text
+from strategies.heartbeat import Progress, main_thread_state, stack_text
+from strategies.job_store import StoreUnanswered, connect_store
 from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
 from strategies.watchdog import Watchdog
@@ -136,6 +137,23 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
     assert exits == [STALL_EXIT_STATUS, STALL_EXIT_STATUS]
     report = capfd.readouterr().err
     assert report.count("custom_ddp stall:") == 1 and "STALLED rank 1" in report and "File x" in report
+
+
+def test_a_store_silent_for_stall_timeout_ends_the_rank_counted_from_the_unanswered_call(capfd) -> None:
+    """The first StoreUnanswered comes STORE_OP_S after the call was sent: the silence counts from the send."""
+    exits: list[int] = []
+    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "", lambda record: "no checkpoint",
+                       exit=exits.append)
+    watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL + 5.0))
+    assert exits == []
+    watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))  # still the same silence
+    assert exits == []  # the silence began at the first error's send time: 5 s short of stall_timeout
+    time.sleep(0.01)
+    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "", lambda record: "no checkpoint",
+                       exit=exits.append)
+    watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))
+    assert exits == [STALL_EXIT_STATUS]
+    assert "the job's store has not answered for 20 s (StoreUnanswered)" in capfd.readouterr().err
 
 
 def test_survivors_name_the_rank_that_raised_and_one_killed_without_a_word(store_host) -> None:

@@ -1,0 +1,133 @@
+"""The job's TCP store as ``custom_ddp``'s watchdog talks to it: every operation ends within a deadline.
+
+The store (the rendezvous server that Lightning's launchers host in rank 0's process, torchrun's agent
+store) carries the heartbeats, the stall verdict and the exit causes. c10d's client does not bound an
+operation by its ``timeout`` when the host process is stopped (SIGSTOP, a frozen machine): the kernel
+still takes the request's bytes, and ``check``, ``get`` and ``multi_get`` wait for the answer for good
+(measured with torch 2.14: still blocked after 40 s with a 5 s timeout). A heartbeat thread blocked
+there decides nothing, and a stopped rank 0 hung the whole job (fault matrix row ``sigstop_rank0_train``).
+
+:class:`BoundedStore` runs the client's operations on one worker thread, in call order, and waits at
+most ``op_timeout_s`` for each. An operation that does not finish in time raises
+:class:`StoreUnanswered`, which says since when the store has not answered; while the worker is
+still stuck in it, every further call raises at once (queuing more would only pile up behind it). A
+call given up before it started never runs. When the host answers again, the worker goes on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = ["STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store"]
+
+STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
+
+
+class StoreUnanswered(RuntimeError):
+    """The store's host did not answer an operation within the deadline (stopped, frozen or gone)."""
+
+    def __init__(self, operation: str, since: float) -> None:
+        super().__init__(f"the job's store has not answered {operation} for {time.monotonic() - since:.1f} s")
+        self.since = since  # time.monotonic() when the unanswered operation was sent
+
+
+@dataclass(eq=False)
+class _Call:
+    operation: str
+    args: tuple[Any, ...]
+    sent: float = field(default_factory=time.monotonic)
+    started: Optional[float] = None
+    abandoned: bool = False
+    result: Any = None
+    error: Optional[BaseException] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Lane:
+    """What the caller and the worker thread share: the calls in order, and the one running now."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.running: Optional[_Call] = None
+
+
+def _serve(store: dist.Store, lane: _Lane) -> None:
+    """The worker thread: runs the calls in order until ``None`` arrives (then the client can close)."""
+    while (call := lane.calls.get()) is not None:
+        with lane.lock:
+            if call.abandoned:
+                continue
+            call.started, lane.running = time.monotonic(), call
+        try:
+            call.result = getattr(store, call.operation)(*call.args)
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            call.error = error
+        with lane.lock:
+            lane.running = None
+        call.done.set()
+
+
+class BoundedStore:
+    """``store``'s ``set``/``get``/``check``/``multi_get``/``compare_set``, each answered or raising
+    :class:`StoreUnanswered` within ``op_timeout_s`` (see the module docstring). Thread-safe."""
+
+    def __init__(self, store: dist.Store, op_timeout_s: float = STORE_OP_S) -> None:
+        self._timeout = op_timeout_s
+        self._lane = _Lane()
+        # A daemon thread holding the client, not this object: dropping this object ends it too.
+        worker = threading.Thread(target=_serve, args=(store, self._lane), name="custom_ddp-store", daemon=True)
+        worker.start()
+        self._close = weakref.finalize(self, self._lane.calls.put, None)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def close(self) -> None:
+        """Let the worker end once its calls are done: the client's connection closes with it."""
+        self._close()
+
+    def _call(self, operation: str, *args: Any) -> Any:
+        lane = self._lane
+        with lane.lock:
+            stuck = lane.running
+            if stuck is not None and stuck.started is not None and time.monotonic() - stuck.started >= self._timeout:
+                raise StoreUnanswered(stuck.operation, stuck.started)
+            call = _Call(operation, args)
+            lane.calls.put(call)
+        if not call.done.wait(self._timeout):
+            with lane.lock:
+                call.abandoned = True  # skipped if it has not started
+                running = lane.running
+            # Silent since the call the worker is stuck in was sent: this one, or an earlier one.
+            since = min(call.sent, running.started or call.sent) if running is not None else call.sent
+            raise StoreUnanswered(operation, since)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+
+def connect_store(host: str, port: int, prefix: str) -> BoundedStore:
+    """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_OP_S))
+    return BoundedStore(dist.PrefixStore(prefix, store))

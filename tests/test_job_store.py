@@ -1,0 +1,125 @@
+"""The watchdog's store client: every operation answered or failed within its deadline (strategies.job_store)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from strategies.job_store import BoundedStore, StoreUnanswered
+
+DEADLINE_S = 0.3
+
+
+class BlockingStore:
+    """A store whose ``check`` waits until released: a host that stopped answering, then resumed."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls.append("check")
+        self.release.wait()
+        return True
+
+    def set(self, key: str, value: str) -> None:
+        self.calls.append(f"set {key}")
+
+    def get(self, key: str) -> bytes:
+        raise ValueError(f"no key {key}")
+
+
+def _host(port, ready) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port.value = server.port
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.fixture
+def store_host():
+    """A TCP store hosted by another process (as rank 0 hosts it under Lightning's launchers)."""
+    context = mp.get_context("fork")
+    port, ready = context.Value("i", 0), context.Event()
+    host = context.Process(target=_host, args=(port, ready), daemon=True)
+    host.start()
+    assert ready.wait(10)
+    yield port.value, host
+    host.kill()
+    host.join()
+
+
+def test_operations_pass_through_to_a_healthy_store() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store = BoundedStore(dist.PrefixStore("job/", server), op_timeout_s=5.0)
+    store.set("a", "1")
+    assert store.check(["a"]) and not store.check(["b"])
+    assert store.get("a") == b"1" and store.multi_get(["a"]) == [b"1"]
+    assert store.compare_set("verdict", "", "mine") == b"mine"
+    assert store.compare_set("verdict", "", "theirs") == b"mine"  # the first verdict stays
+
+
+def test_a_store_that_does_not_answer_raises_in_time_and_runs_no_abandoned_call() -> None:
+    blocking = BlockingStore()
+    store = BoundedStore(blocking, op_timeout_s=DEADLINE_S)  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+    stuck = threading.Thread(target=lambda: errors.append(pytest.raises(StoreUnanswered, store.check, ["k"]).value))
+    stuck.start()
+    time.sleep(0.05)
+    sent = time.monotonic()
+    with pytest.raises(StoreUnanswered) as queued:  # queued behind the unanswered check: given up
+        store.set("late", "1")
+    assert time.monotonic() - sent < DEADLINE_S + 0.2
+    assert queued.value.since < sent  # silent since the check was sent, not since this call
+    stuck.join()
+    started = time.monotonic()
+    with pytest.raises(StoreUnanswered, match="has not answered check"):  # still stuck: raises at once
+        store.set("later", "1")
+    assert time.monotonic() - started < 0.05
+    blocking.release.set()  # the host answers again: once the worker has the answer, calls go through
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            store.set("after", "1")
+            break
+        except StoreUnanswered:  # raised at once, nothing queued: the worker has not read the answer yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert blocking.calls == ["check", "set after"]  # the calls given up before they started never ran
+    with pytest.raises(ValueError, match="no key k"):  # the store's own error reaches the caller
+        store.get("k")
+    assert isinstance(errors[0], StoreUnanswered) and isinstance(errors[0], RuntimeError)
+
+
+def test_a_stopped_store_host_fails_every_operation_within_the_deadline(store_host) -> None:
+    """c10d's own client waits for good on a SIGSTOP'd host (check, get, multi_get), whatever its timeout."""
+    port, host = store_host
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+    store = BoundedStore(dist.PrefixStore("job/", client), op_timeout_s=DEADLINE_S)
+    store.set("hb/1", "beat")
+    assert store.check(["hb/1"])
+    os.kill(host.pid, signal.SIGSTOP)
+    for operation, args in (("check", (["hb/1"],)), ("multi_get", (["hb/1"],)), ("get", ("hb/1",))):
+        started = time.monotonic()
+        with pytest.raises(StoreUnanswered):
+            getattr(store, operation)(*args)
+        assert time.monotonic() - started < DEADLINE_S + 0.2, operation
+
+
+def test_close_ends_the_worker_thread() -> None:
+    before = set(threading.enumerate())
+    store = BoundedStore(BlockingStore(), op_timeout_s=DEADLINE_S)  # type: ignore[arg-type]
+    store.set("k", "v")
+    workers = [thread for thread in set(threading.enumerate()) - before if thread.name == "custom_ddp-store"]
+    assert len(workers) == 1
+    store.close()
+    for thread in workers:
+        thread.join(timeout=1.0)
+    assert not any(thread.is_alive() for thread in workers)
