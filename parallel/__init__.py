@@ -16,6 +16,7 @@ Modules, one concern each:
   all-reduce overlapped with backward, ``no_sync()`` for accumulation).
 - ``zero``: ``ShardedOptimizer`` (ZeRO-1).
 - ``eval_sharding``: rank 0 decides evaluation shards and scatters them.
+- ``resume_sampler``: the rest of an interrupted epoch, in the sampler's own order.
 - ``uneven_gather``: gathers of tensors whose shapes differ across ranks (layouts first).
 - ``metric_sync``: exact torchmetrics from uneven shards, a few batched collectives per loader.
 

@@ -6,6 +6,7 @@ while fitting (:mod:`strategies.layer_sync`); :class:`parallel.grad_sync.SyncedD
 torch DDP (no collective on accumulating micro-batches, averaged gradients when backward returns,
 rank 0's buffers before each training forward; ZeRO-1 in :mod:`strategies.zero1`); each evaluation
 sample once with exact metrics (:mod:`strategies.scatter_eval`, :mod:`strategies.uneven_gathers`);
+a fit resumed mid-epoch trains only the batches not yet trained (:mod:`strategies.exact_resume`);
 signals stop every rank at one step (:mod:`strategies.preemption`); a stalled or failed rank ends
 the job with a diagnosis (:mod:`strategies.watchdog`). Options: :class:`strategies.options.CustomDDPOptions`.
 Private Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: the README.
@@ -35,6 +36,7 @@ import lightning.pytorch as pl
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTransport, SyncMode
 from strategies.desync import enable_desync_check, log_desync
 from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
+from strategies.exact_resume import ExactResume
 from strategies.launchers import one_stage_launcher
 from strategies.layer_sync import BatchNormSyncChoice
 from strategies.lightning_seams import check_private_seams
@@ -51,7 +53,7 @@ __all__ = ["CustomDDPStrategy"]
 log = logging.getLogger(__name__)
 
 
-class CustomDDPStrategy(SyncedTraining, ScatterEvaluation, UnevenGathers, DDPStrategy):
+class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGathers, DDPStrategy):
     """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
 
     Args:
@@ -72,6 +74,7 @@ class CustomDDPStrategy(SyncedTraining, ScatterEvaluation, UnevenGathers, DDPStr
         desync_check: Check every collective's fingerprint across ranks; a mismatch ends the run naming both sides.
         broadcast_buffers: Rank 0's buffers on every rank before each training forward (as torch DDP's).
         stall_timeout: Seconds without progress on a rank before every rank ends (exit 75); ``None``: never.
+        exact_resume: A fit resumed mid-epoch trains only the batches the interrupted epoch had not.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum. Details per option: the README's option table.
@@ -102,6 +105,7 @@ class CustomDDPStrategy(SyncedTraining, ScatterEvaluation, UnevenGathers, DDPStr
         desync_check: bool = False,
         broadcast_buffers: bool = True,
         stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S,
+        exact_resume: bool = True,
     ) -> None:
         self._options = CustomDDPOptions.pick(locals())  # validated once: one error names every bad value
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -22,7 +22,8 @@ __all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check
 # stalled job 6 times sooner than torch's default 30-minute collective timeout.
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
-_BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_check", "broadcast_buffers")
+_BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_check", "broadcast_buffers",
+          "exact_resume")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class CustomDDPOptions:
     desync_check: bool = False
     broadcast_buffers: bool = True
     stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S
+    exact_resume: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)!r} must be a bool" for name in _BOOLS

@@ -39,37 +39,27 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
 from parallel.eval_sharding import ShardPlan, ShardSampler, broadcast_count, scatter_shard_indices
 from parallel.metric_sync import MetricSync
+from strategies.loaders import index_batching, with_sampler
 from strategies.options import is_mean_op
 
 __all__ = ["ScatterEvaluation", "shard_loader"]
 
 _FALLBACK = "pass CustomDDPStrategy(scatter_eval=False) to keep Lightning's DistributedSampler"
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
-# DataLoader settings carried over to the shard loader unchanged (all but dataset/batching/sampling).
-_KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-                     "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
-                     "pin_memory_device", "in_order")
 
 
 def _batching(dataloader: object) -> tuple[int, bool] | str:
     """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not."""
-    if not isinstance(dataloader, DataLoader):
-        return f"a {type(dataloader).__name__}, not a torch DataLoader"
-    if isinstance(dataloader.dataset, IterableDataset):
-        return "over an IterableDataset"
-    if isinstance(dataloader.sampler, DistributedSampler) and dataloader.sampler.num_replicas != 1:
+    if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, DistributedSampler) \
+            and dataloader.sampler.num_replicas != 1:
         return "sharded by a DistributedSampler of your own"
-    if dataloader.batch_size is not None:
-        return dataloader.batch_size, dataloader.drop_last
-    if type(dataloader.batch_sampler) is BatchSampler:  # torch's own: its batches are re-made from the shard
-        return dataloader.batch_sampler.batch_size, dataloader.batch_sampler.drop_last
-    return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
+    return index_batching(dataloader)
 
 
 def _warn_fallback(plan: ShardPlan, batch_size: int, limit: int | float) -> None:
@@ -78,18 +68,6 @@ def _warn_fallback(plan: ShardPlan, batch_size: int, limit: int | float) -> None
                    "would skip the collectives of the others, so this loader uses DistributedSampler's padded "
                    "layout (some samples count twice, as with Lightning's ddp). Use more samples, a smaller batch "
                    "size or an int limit to keep each sample once.")
-
-
-def _rebuilt(dataloader: DataLoader, indices: list[int], batching: tuple[int, bool]) -> DataLoader:
-    """``dataloader`` reading only ``indices`` of its dataset, every other setting kept."""
-    kept = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS if hasattr(dataloader, name)}
-    if type(dataloader) is not DataLoader:
-        rank_zero_warn(f"custom_ddp: the evaluation loader of class {type(dataloader).__name__} is rebuilt as a "
-                       f"torch DataLoader over this rank's shard (same settings); {_FALLBACK} if the subclass "
-                       "changes iteration.")
-    batch_size, drop_last = batching
-    return DataLoader(dataloader.dataset, batch_size=batch_size, drop_last=drop_last,
-                      sampler=ShardSampler(indices), **kept)
 
 
 def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.device) -> object:
@@ -108,7 +86,7 @@ def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.devic
     if plan.layout != "contiguous":
         _warn_fallback(plan, batching[0], limit)
     indices = scatter_shard_indices(None if order is None else plan.shards(order), plan.lengths, device=device)
-    return _rebuilt(dataloader, indices, batching)
+    return with_sampler(dataloader, ShardSampler(indices), batching, "evaluation loader", _FALLBACK)
 
 
 def _metrics(trainer: pl.Trainer, module: pl.LightningModule) -> list[Metric]:

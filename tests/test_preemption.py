@@ -208,12 +208,15 @@ def _stopped_step(tmp_path: Path, signaller: _SignalSelf, zero1: bool = False) -
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero1", [False, True])
-def test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly(tmp_path: Path, zero1: bool) -> None:
-    # The last batch of epoch 0: the resumed run must end with the uninterrupted run's weights
-    # (with zero1 the stop's checkpoint consolidates the sharded optimizer state: collectives).
+@pytest.mark.parametrize("batch", [1, STEPS_PER_EPOCH - 1], ids=["mid_epoch", "last_batch"])
+def test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly(tmp_path: Path, zero1: bool,
+                                                                              batch: int) -> None:
+    # The resumed run must end with the uninterrupted run's weights, from the last batch of epoch 0
+    # and from the middle of it (exact_resume: the loader leaves out the batches already trained).
+    # With zero1 the stop's checkpoint consolidates the sharded optimizer state: collectives.
     uninterrupted = _fit(tmp_path / "full", zero1=zero1)
-    step = _stopped_step(tmp_path, _SignalSelf(rank=1, epoch=0, batch=STEPS_PER_EPOCH - 1), zero1=zero1)
-    assert step == STEPS_PER_EPOCH  # the signalled batch's own optimizer step, nothing after it
+    step = _stopped_step(tmp_path, _SignalSelf(rank=1, epoch=0, batch=batch), zero1=zero1)
+    assert step == batch + 1  # the signalled batch's own optimizer step, nothing after it
     resumed = _fit(tmp_path / "resumed", ckpt_path=tmp_path / "ckpts" / "last.ckpt", zero1=zero1)
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)

@@ -1,0 +1,49 @@
+"""A user's ``DataLoader`` rebuilt around another sampler, every other setting kept.
+
+Shared by scatter evaluation (:mod:`strategies.scatter_eval`: a rank's shard of the evaluation set)
+and exact mid-epoch resume (:mod:`strategies.exact_resume`: the rest of the interrupted epoch). Only
+a torch ``DataLoader`` over a map-style dataset, batched by torch's own ``BatchSampler``, can be
+rebuilt by index: its batches are re-made from the new sampler exactly as the user's loader made
+them, with the user's batch size, ``collate_fn``, workers, pinning and transforms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+__all__ = ["index_batching", "with_sampler"]
+
+# DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
+_KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                     "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
+                     "pin_memory_device", "in_order")
+
+
+def index_batching(dataloader: object) -> tuple[int, bool] | str:
+    """``(batch_size, drop_last)`` of a loader that can be rebuilt by index, else why not."""
+    if not isinstance(dataloader, DataLoader):
+        return f"a {type(dataloader).__name__}, not a torch DataLoader"
+    if isinstance(dataloader.dataset, IterableDataset):
+        return "over an IterableDataset"
+    if dataloader.batch_size is not None:
+        return dataloader.batch_size, dataloader.drop_last
+    if type(dataloader.batch_sampler) is BatchSampler:  # torch's own: its batches are re-made from the sampler
+        return dataloader.batch_sampler.batch_size, dataloader.batch_sampler.drop_last
+    return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
+
+
+def with_sampler(dataloader: DataLoader, sampler: Any, batching: tuple[int, bool], what: str, fallback: str) -> DataLoader:
+    """``dataloader`` reading its dataset in ``sampler``'s order, every other setting kept.
+
+    ``what`` names the rebuilt loader in the warning a ``DataLoader`` subclass gets (its own
+    iteration is not kept); ``fallback`` is the option that keeps the user's loader instead.
+    """
+    kept = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS if hasattr(dataloader, name)}
+    if type(dataloader) is not DataLoader:
+        rank_zero_warn(f"custom_ddp: the {what} of class {type(dataloader).__name__} is rebuilt as a torch "
+                       f"DataLoader (same settings); {fallback} if the subclass changes iteration.")
+    batch_size, drop_last = batching
+    return DataLoader(dataloader.dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler, **kept)

@@ -1,0 +1,206 @@
+"""Exact mid-epoch resume (strategies.exact_resume): the resumed epoch trains exactly the batches the
+interrupted one had not, so a resumed fit ends with an uninterrupted fit's weights, bitwise.
+
+The truth is the uninterrupted fit with the same strategy; Lightning's ``ddp`` (which starts the
+epoch over) is run too, to show that the check can fail.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, SequentialSampler
+
+from parallel.resume_sampler import ResumeSampler
+from strategies.custom_ddp import CustomDDPStrategy
+
+SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
+
+
+class Indexed(Dataset):
+    """Fixed features and targets, with each sample's index (to record what was trained)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(SAMPLES, 5, generator=generator), torch.randn(SAMPLES, 2, generator=generator)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+class Recorder(pl.LightningModule):
+    """A linear regression that records which samples each training batch held."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(5, 2)
+        self.out = out
+        self.seen: dict[tuple[int, int], list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen[(self.current_epoch, batch_idx)] = index.tolist()
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+
+    def on_fit_end(self) -> None:
+        state = {name: value.detach().clone() for name, value in self.state_dict().items()}
+        torch.save({"state": state, "seen": self.seen}, self.out / f"rank{self.global_rank}.pt")
+
+
+def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None) -> list[dict[str, Any]]:
+    out.mkdir(parents=True)
+    pl.seed_everything(0, verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
+                         accumulate_grad_batches=ACCUMULATE, callbacks=[checkpoints], enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Recorder(out), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def _custom() -> CustomDDPStrategy:
+    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    return out, _fit(_custom(), out)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("step", [2, 4], ids=["epoch0_batch4", "epoch1_batch2"])
+def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_as_uninterrupted(
+        tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int) -> None:
+    out, truth = uninterrupted
+    resumed = _fit(_custom(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
+    for rank in range(2):
+        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
+        assert seen == {key: value for key, value in expected.items() if key in seen}, f"rank {rank}"
+        assert len(seen) == {2: 2 * 6 - 4, 4: 6 - 2}[step]  # the batches after the checkpoint, each once
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+
+
+@pytest.mark.distributed
+def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
+                                                      uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Lightning's ddp trains the epoch's first batches again: what the test above would catch."""
+    out, truth = uninterrupted
+    resumed = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp",
+                   out / "ckpt" / "step=4.ckpt")
+    assert resumed[0]["seen"][(1, 2)] == truth[0]["seen"][(1, 0)]  # batch index 2 got the epoch's first batch
+    assert not torch.equal(resumed[0]["state"]["net.weight"], truth[0]["state"]["net.weight"])
+
+
+def test_resume_sampler_leaves_out_the_first_indices_of_its_first_pass_only() -> None:
+    sampler = ResumeSampler(SequentialSampler(range(10)), skip=4)
+    assert len(sampler) == 10 and sampler.pending_skip == 4
+    assert list(sampler) == [4, 5, 6, 7, 8, 9]
+    assert list(sampler) == list(range(10)) and sampler.pending_skip == 0
+
+
+def test_resume_sampler_sets_the_resumed_epoch_at_once_and_forwards_later_ones() -> None:
+    from torch.utils.data import DistributedSampler
+
+    inner = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler = ResumeSampler(inner, skip=2, epoch=5)
+    inner.set_epoch(5)
+    expected = list(inner)
+    assert list(sampler) == expected[2:]  # epoch 5's order, without a set_epoch call before the pass
+    sampler.set_epoch(6)
+    inner_epoch6 = list(inner)
+    assert list(sampler) == inner_epoch6
+
+
+@pytest.mark.parametrize("skip", [-1, 1.5, True])
+def test_resume_sampler_rejects_a_bad_skip(skip: Any) -> None:
+    with pytest.raises(ValueError, match="skip=.* must be an int >= 0"):
+        ResumeSampler(SequentialSampler(range(3)), skip=skip)
+
+
+def _progress(ready: int, processed: int, completed: int) -> Any:
+    from lightning.pytorch.loops.progress import _BatchProgress
+
+    progress = _BatchProgress()
+    for tracker in (progress.total, progress.current):
+        tracker.ready = tracker.started = ready
+        tracker.processed, tracker.completed = processed, completed
+    return progress
+
+
+def test_batches_done_counts_a_batch_saved_at_its_end_as_lightning_resumes_it() -> None:
+    from strategies.exact_resume import batches_done
+
+    assert batches_done(_progress(ready=4, processed=4, completed=3)) == 4  # ModelCheckpoint / a signal's stop
+    assert batches_done(_progress(ready=4, processed=3, completed=3)) == 3  # mid-batch: batch 3 is trained again
+    assert batches_done(_progress(ready=4, processed=4, completed=4)) == 4  # after the batch (validation's end)
+
+
+def test_a_loop_that_resumes_elsewhere_than_the_loader_raises_at_the_first_batch() -> None:
+    strategy = _custom()
+    strategy._resume_check = (1, 3)
+    with pytest.raises(RuntimeError, match="resumed epoch 1 at batch 3, but Lightning's loop resumed at batch 2"):
+        strategy.on_train_batch_start(None, 2)
+    strategy._resume_check = (1, 3)
+    strategy.on_train_batch_start(None, 3)
+    strategy.on_train_batch_start(None, 2)  # checked once: later batches are the loop's own business
+
+
+class ReversedOrder(torch.utils.data.Sampler):
+    """A sampler of the user's own (Lightning wraps it in a DistributedSamplerWrapper)."""
+
+    def __iter__(self):
+        return iter(range(SAMPLES - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+
+class OwnSampler(Recorder):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=BATCH, sampler=ReversedOrder())
+
+
+def _fit_here(module: Recorder, ckpt_path: Path | None = None) -> dict[str, Any]:
+    """One process with the popen launcher: the fit runs in this process, where pytest sees its warnings."""
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CustomDDPStrategy(timeout=timedelta(seconds=60)),
+                         max_epochs=EPOCHS, logger=False, accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    try:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    finally:  # the group lives in this process: forked ranks of later tests must not inherit it
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return torch.load(module.out / "rank0.pt", weights_only=False)
+
+
+def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning(
+        tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, _ = uninterrupted
+    (tmp_path / "fresh").mkdir()
+    fresh = _fit_here(OwnSampler(tmp_path / "fresh"))
+    with pytest.warns(UserWarning, match="resuming epoch 1 at batch 2, but the training loader is sampled by a "
+                                         "DistributedSamplerWrapper, which cannot resume by index"):
+        resumed = _fit_here(OwnSampler(tmp_path), out / "ckpt" / "step=4.ckpt")
+    assert resumed["seen"][(1, 2)] == fresh["seen"][(1, 0)]  # batch index 2 got the epoch's first batch, as under ddp
