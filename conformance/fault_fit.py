@@ -7,7 +7,8 @@ re-runs the command for rank 1). Every rank appends JSON lines to ``DIR/events_r
 (the exit code, or the error type). :mod:`conformance.fault_matrix` reads them to time the faults
 it sends from outside (signals) and to find the ranks' process ids.
 
-Faults the script injects itself (``RANK:EPOCH:BATCH``): ``--raise_at`` raises on that rank only;
+Faults the script injects itself (``RANK:EPOCH:BATCH``): ``--raise_at`` raises on that rank only
+(``--raise_after_forward_at``: after its forward, while its peer goes on into backward);
 ``--rank_collective_at`` logs with ``sync_dist=True`` on that rank only (one all_reduce the other
 rank never issues). ``--hold RANK:EPOCH:BATCH:SECONDS`` makes one rank sleep at the start of a
 training batch, so its peer waits inside the batch's first collective (a SyncBN all_gather) while
@@ -103,6 +104,9 @@ class FaultNet(pl.LightningModule):
             raise RuntimeError(f"injected fault: rank {self.global_rank} raised in training_step")
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
+        if self._at(_where(self.args.raise_after_forward_at), batch_idx):  # the peer's BatchNorm has moved
+            self.events("fault", kind="exception")
+            raise RuntimeError(f"injected fault: rank {self.global_rank} raised in training_step after its forward")
         if self._at(_where(self.args.rank_collective_at), batch_idx):
             self.events("fault", kind="rank_collective")
             self.log("rank_only", loss.detach(), on_step=True, sync_dist=True)  # an all_reduce on this rank only
@@ -163,6 +167,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--block_loader_at", help="RANK:EPOCH:BATCH the training DataLoader blocks at that batch")
     parser.add_argument("--hold", help="RANK:EPOCH:BATCH:SECONDS sleep at the start of that training batch")
     parser.add_argument("--raise_at", help="RANK:EPOCH:BATCH raise in training_step")
+    parser.add_argument("--raise_after_forward_at", help="RANK:EPOCH:BATCH raise in training_step after the forward")
     parser.add_argument("--rank_collective_at", help="RANK:EPOCH:BATCH log(sync_dist=True) on that rank only")
     return parser.parse_args(argv)
 

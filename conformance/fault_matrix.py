@@ -10,7 +10,8 @@ training batch (its peer held back 1.5 s), in a validation batch, or inside a ch
 Stall rows (``stall_timeout`` 20 s) stop rank 1 or rank 0 (the store's host) with SIGSTOP, loop
 forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0's checkpoint save for 2 x ``stall_timeout`` (must not
 fire). Restart rows run the fit under ``torchrun --max-restarts=1`` with ``--ckpt_path last``: the
-job must finish (exit 0) and its final weights are compared with an uninterrupted run's. "Steps lost"
+job must finish (exit 0). A resumed fit's final weights (a restart row's, or ``fit --ckpt_path`` from the
+checkpoint written after the fault) are compared with an uninterrupted run's. "Steps lost"
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
 after the fault, else the newest one before it)::
 
@@ -70,7 +71,8 @@ def _fault_flags(row: Row) -> list[str]:
     if row.phase == "ckpt":
         hold = 2 * row.stall_timeout_s if row.fault == "slow_save" and row.stall_timeout_s else HOLD_S
         command += ["--ckpt_hold", str(hold)] + (["--ckpt_hold_rank", str(row.rank)] if row.fault == "slow_save" else [])
-    flag = {"exception": "--raise_at", "rank_collective": "--rank_collective_at", "loop": "--loop_at",
+    flag = {"exception": "--raise_at", "exception_after_forward": "--raise_after_forward_at",
+            "rank_collective": "--rank_collective_at", "loop": "--loop_at",
             "block_loader": "--block_loader_at"}.get(row.fault)
     return command + ([flag, where] if flag else [])
 
@@ -250,6 +252,7 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
         done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]
         result.resume_status = _shell_status(again.returncode)
         result.resumed_to_step = done[0].get("step") if done else None
+        result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent)
     return result
 
 

@@ -23,7 +23,7 @@ class Row:
 
     name: str
     label: str
-    fault: str  # SIGTERM | SIGKILL | SIGSTOP | exception | rank_collective | loop | block_loader | slow_save
+    fault: str  # SIGTERM | SIGKILL | SIGSTOP | exception(_after_forward) | rank_collective | loop | block_loader | slow_save
     rank: int
     phase: str  # train | val | ckpt
     desync_check: bool = False
@@ -46,6 +46,8 @@ ROWS = (
     Row("sigkill_rank0_train", "SIGKILL of rank 0 during training", "SIGKILL", 0, "train"),
     Row("sigkill_rank1_train", "SIGKILL of rank 1 during training", "SIGKILL", 1, "train"),
     Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
+    Row("exception_rank1_after_forward", "exception on rank 1 after its forward (rank 0 waits in backward)",
+        "exception_after_forward", 1, "train"),
     Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
         desync_check=True),
     Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",

@@ -115,19 +115,24 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training and running_mean is not None and running_var is not None:
             return self._normalize_with_running_stats(input)
         momentum = 0.0 if self.momentum is None else self.momentum
+        num_batches_tracked = self.num_batches_tracked
         if self.training and self.track_running_stats:
-            num_batches_tracked = self.num_batches_tracked
             assert num_batches_tracked is not None
-            num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as in torch
-                momentum = 1.0 / float(num_batches_tracked)
+                momentum = 1.0 / float(num_batches_tracked + 1)
         else:  # running stats are updated only in training (eval without them uses batch stats)
             running_mean = running_var = None
         group, world_size = self._sync_group()
         kernels = COMPILED_KERNELS if self.compile_kernel else None
-        return sync_batch_norm(
+        output = sync_batch_norm(
             input, self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size, kernels
         )
+        if running_mean is not None:
+            # Counted once the statistics are in, as the running averages are: a forward that fails in
+            # its collective (a peer lost) leaves the layer as it was, and a checkpoint written then
+            # resumes exactly.
+            num_batches_tracked.add_(1)
+        return output
 
     def _sync_group(self) -> tuple[dist.ProcessGroup | None, int]:
         """The group to synchronise over and its size; ``(None, 1)`` when statistics stay local."""

@@ -16,10 +16,14 @@ constructor signatures are listed in :mod:`strategies.lightning_seams`, checked 
 
 from __future__ import annotations
 
+import os
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers.multiprocessing import (_disable_module_memory_sharing,
                                                                     _MultiProcessingLauncher)
@@ -31,7 +35,10 @@ import lightning.pytorch as pl
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-__all__ = ["OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher", "one_stage_launcher"]
+__all__ = ["RANK0_GRACE_S", "OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher",
+           "one_stage_launcher"]
+
+RANK0_GRACE_S = 10.0  # a popen job's rank 0 may end by itself this long after a child failed
 
 
 class _OneStageAtATime:
@@ -43,6 +50,10 @@ class _OneStageAtATime:
     _strategy: Any
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        self._refuse_a_nested_stage(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+    def _refuse_a_nested_stage(self, trainer: Optional[pl.Trainer]) -> None:
         running: Optional[TrainerFn] = self._strategy.running_stage
         if running is not None:
             called = trainer.state.fn.value if trainer is not None else "<stage>"
@@ -51,16 +62,44 @@ class _OneStageAtATime:
                 "hook or callback). Lightning runs one stage at a time: call it after the running one returns, "
                 "e.g. after trainer.fit(...) in your script."
             )
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _ObserverSparingRank0(_ChildProcessObserver):
+    """Lightning's observer of the popen children, with a grace period for rank 0 (its own process).
+
+    When a child fails, Lightning's observer (it polls every 5 s) SIGKILLs the other children and rank 0
+    at once. Rank 0 may then be writing the checkpoint of the last completed step from its exception
+    path (:mod:`strategies.last_checkpoint`, ~0.3 s): a poll inside that window killed it first and the
+    checkpoint was lost (fault matrix row "SIGKILL of rank 1", 1 run of 2 after a timing change). The
+    other children still go at once; rank 0, whose collective fails as soon as the peer is gone, ends
+    by itself within seconds, and is killed only after ``RANK0_GRACE_S``.
+    """
+
+    def _terminate_all(self) -> None:
+        for child in self._child_processes:
+            child.send_signal(self._termination_signal)
+        time.sleep(RANK0_GRACE_S)  # a daemon thread: it ends with rank 0 if rank 0 exits first
+        os.kill(self._main_pid, self._termination_signal)
 
 
 class OneStageSubprocessScriptLauncher(_OneStageAtATime, _SubprocessScriptLauncher):
-    """The popen launcher (re-runs the script per rank), one stage at a time."""
+    """The popen launcher (re-runs the script per rank), one stage at a time, sparing rank 0 a while
+    when a child fails (:class:`_ObserverSparingRank0`)."""
 
     def __init__(self, strategy: Any, cluster_environment: ClusterEnvironment, num_processes: int,
                  num_nodes: int) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._strategy = strategy
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        # _SubprocessScriptLauncher.launch with its observer replaced (the names: strategies.lightning_seams).
+        self._refuse_a_nested_stage(trainer)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _ObserverSparingRank0(main_pid=os.getpid(), child_processes=self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         # The started children's Popen objects hold locks: rank 0's strategy pickles without them, as

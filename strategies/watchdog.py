@@ -18,7 +18,6 @@ whether optimizer state is sharded, and it never reads the strategy back. While 
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import math
@@ -28,14 +27,13 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Heartbeat, Progress
 from strategies.job_store import connect_store
-from strategies.preemption import stop_checkpoint_path
+from strategies.last_checkpoint import LastCheckpoint
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
 from strategies.stall_watch import StallWatch
 
@@ -53,11 +51,13 @@ class Watchdog(Callback):
         self._watch: Optional[StallWatch] = None
         self._trainer: Optional[pl.Trainer] = None
         self._environment: Optional[ClusterEnvironment] = None
-        self._zero1 = False  # optimizer state sharded over ranks: a dead rank's shard cannot be saved
         self._stages = 0
-        self._saved_step: Optional[int] = None
-        self._updating = False  # between on_before_optimizer_step and the batch end: weights half updated
-        self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
+        self.last_checkpoint = LastCheckpoint()  # what rank 0 writes when a stall or a failure ends the job
+
+    @property
+    def ending(self) -> bool:
+        """A last checkpoint is being written: the strategy's barrier must not communicate."""
+        return self.last_checkpoint.ending
 
     def __getstate__(self) -> dict[str, Any]:
         # The strategy pickles (spawn and forkserver send it to each new process, a user may pickle it
@@ -73,8 +73,8 @@ class Watchdog(Callback):
         self._stages += 1
         if trainer.world_size < 2 or environment is None or not dist.is_initialized():
             return
-        self._trainer, self.progress, self.ending, self._updating = trainer, Progress(), False, False
-        self._environment, self._zero1 = environment, zero1
+        self._trainer, self.progress, self._environment = trainer, Progress(), environment
+        self.last_checkpoint = LastCheckpoint(zero1)
         if self not in trainer.callbacks:
             trainer.callbacks.insert(0, self)
         prefix = f"custom_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._stages}/"
@@ -123,62 +123,10 @@ class Watchdog(Callback):
             self._watch.on_store_error(error)
 
     def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None) -> str:
-        """Write the last checkpoint if this rank can (see :meth:`save_last`); the report's line on what to resume."""
-        trainer = self._trainer
-        if trainer is None:
-            return "no checkpoint: the stage is over"
+        """Write the last checkpoint if this rank can (:mod:`strategies.last_checkpoint`); the report's line."""
         # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
-        waiting = own_record is not None and own_record.get("collective") and not own_record.get("busy")
-        if waiting:
-            return self.save_last(trainer)
-        return self._newest_note(trainer, self._cannot_save(trainer) or "this rank's main thread is not parked in "
-                                                                         "a collective")
-
-    def save_last(self, trainer: pl.Trainer) -> str:
-        """On a stall or a peer's failure: rank 0 writes the checkpoint of the last completed optimizer step.
-
-        Only when the state is the same on every rank: fitting, outside the optimizer update (between
-        ``on_before_optimizer_step`` and the batch end the update may be half done), without ZeRO-1
-        (the optimizer state's shards on a dead rank cannot be consolidated). The save's barrier is
-        skipped (:attr:`ending`): there is no peer left to meet. Otherwise the note names the newest
-        periodic checkpoint.
-        """
-        why = self._cannot_save(trainer)
-        if why:
-            return self._newest_note(trainer, why)
-        path = stop_checkpoint_path(trainer)
-        self.ending = True
-        try:
-            if os.path.islink(path):
-                os.remove(path)  # save_last="link": write a file, not through the link
-            trainer.save_checkpoint(path)
-        except Exception as error:  # noqa: BLE001 - the job ends either way; say what happened
-            return self._newest_note(trainer, f"writing {path} failed: {type(error).__name__}: {error}")
-        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by rank 0: {path} "
-                f"(resume: --ckpt_path {path} or --ckpt_path last)")
-
-    def _cannot_save(self, trainer: pl.Trainer) -> Optional[str]:
-        if not trainer.is_global_zero:
-            return "only rank 0 writes checkpoints and it is not among the healthy ranks"
-        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
-            return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
-        if self._zero1:
-            return "zero1: part of the optimizer state is sharded on the stalled or failed rank"
-        if self._updating:
-            return "the fault came inside an optimizer update: the weights may differ between ranks"
-        if self._saved_step == trainer.global_step:
-            return "the newest checkpoint already holds this step"
-        return None
-
-    def _newest_note(self, trainer: pl.Trainer, why: str) -> str:
-        callback = trainer.checkpoint_callback
-        dirpath = callback.dirpath if isinstance(callback, ModelCheckpoint) else None
-        files = glob.glob(os.path.join(dirpath, "*.ckpt")) if dirpath else []
-        if not files:
-            return f"no checkpoint written ({why}) and none before"
-        newest = max(files, key=os.path.getmtime)
-        step = f" (step {self._saved_step})" if self._saved_step is not None else ""
-        return f"no checkpoint written ({why}); newest checkpoint: {newest}{step}; resume: --ckpt_path {newest}"
+        parked = own_record is not None and bool(own_record.get("collective")) and not own_record.get("busy")
+        return self.last_checkpoint.note(self._trainer, parked)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,16 +166,18 @@ class Watchdog(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._mark(trainer, "train", batch_idx)
+        if self._heartbeat is not None:  # a last checkpoint may be written during this batch
+            self.last_checkpoint.batch_started(trainer, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._updating = False
+        self.last_checkpoint.batch_ended()
         self._mark(trainer, "train", batch_idx)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._updating = True
+        self.last_checkpoint.updating = True
         self.progress.mark(**{**self.progress.where, "optimizer_step": trainer.global_step + 1})
 
     def _eval_mark(self, trainer: pl.Trainer, batch_idx: int) -> None:
@@ -268,7 +218,7 @@ class Watchdog(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        self._saved_step = trainer.global_step
+        self.last_checkpoint.saving(trainer, checkpoint)
 
     # ------------------------------------------------------------- exit causes
 
@@ -284,7 +234,7 @@ class Watchdog(Callback):
         lines = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
                             heartbeat.identity["host"])
         if trainer.is_global_zero:
-            lines.append(f"custom_ddp: {self.save_last(trainer)}")
+            lines.append(f"custom_ddp: {self.last_checkpoint.save(trainer)}")
         for line in lines:
             exception.add_note(line)
             log.error("%s", line)

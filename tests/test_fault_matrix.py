@@ -1,9 +1,10 @@
 """The fault matrix on a real 2-rank fit (popen launcher, real signals from outside, 30 s timeouts).
 
-The default run keeps five rows (about 2 minutes): SIGTERM to rank 1 while it waits in a SyncBN
+The default run keeps six rows (about 2.5 minutes): SIGTERM to rank 1 while it waits in a SyncBN
 collective, a rank-only collective under ``desync_check``, an endless loop on rank 1 and a SIGSTOP'd
-rank 0, the store's host (stalls, ``stall_timeout`` 20 s), and an exception on rank 1 under
-``torchrun --max-restarts=1``. Every row,
+rank 0, the store's host (stalls, ``stall_timeout`` 20 s), an exception on rank 1 under
+``torchrun --max-restarts=1``, and an exception on rank 1 after its forward, resumed from rank 0's
+checkpoint and compared bitwise with an uninterrupted run. Every row,
 with a resume from each checkpoint and the restart rows' final weights compared with an
 uninterrupted run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 8 minutes on 2 cores).
 """
@@ -53,12 +54,14 @@ def _check_restart(row: Row, result: Result, resumed: bool) -> None:
     assert result.steps_lost == 0, result
     if row.fault == "exception":
         assert "custom_ddp: rank 1 ended first: RuntimeError: injected fault" in result.message, result.message
-    if resumed:  # a mid-epoch resume: Lightning restarts a plain DataLoader at the epoch's first batch
-        assert result.same_weights is not None, result
+    if resumed:  # a mid-epoch resume (exact_resume): the rest of the epoch, each batch once
+        assert result.same_weights is True, result
 
 
 def _check(row: Row, result: Result, resumed: bool) -> None:
     assert not result.hung, result
+    # Every resumed fit, mid-epoch ones included, ends with the uninterrupted fit's weights.
+    assert not resumed or result.same_weights is not False, result
     if row.stall_timeout_s is not None:
         return _check_stall(row, result)
     if row.max_restarts is not None:
@@ -75,7 +78,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
         if resumed:
             assert (result.resume_status, result.resumed_to_step) == (0, STEPS_PER_EPOCH * EPOCHS), result
         return
-    if row.fault in ("SIGKILL", "exception") and row.rank == 1:
+    if row.fault in ("SIGKILL", "exception", "exception_after_forward") and row.rank == 1:
         # Rank 0 survived, waiting in a collective before the optimizer update: it wrote the last completed step.
         assert result.checkpoint_step == result.step_at_fault, result
         assert result.steps_lost == 0 and "checkpoint of the last completed optimizer step" in result.message
@@ -84,7 +87,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
     else:
         assert result.checkpoint_step is None, result  # rank 0 (the writer) died, or a desync error
     assert result.status[0] not in (0, None), result
-    if row.fault == "exception":
+    if row.fault.startswith("exception"):
         assert "injected fault: rank 1 raised" in result.message, result.message
     if row.fault == "rank_collective" and row.desync_check:
         message = result.message
@@ -101,6 +104,17 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
     row = ROWS_BY_NAME[name]
     _check(row, run_row(row, tmp_path / name, resume=False), resumed=False)
+
+
+@pytest.mark.distributed
+def test_a_failure_inside_a_step_leaves_a_checkpoint_that_resumes_bitwise(tmp_path: Path) -> None:
+    """Rank 1 raises after its forward; rank 0, waiting in backward with its BatchNorm statistics moved by
+    the batch, writes the last completed step with the batch-start buffers (strategies.last_checkpoint);
+    the resume trains the rest of the epoch once (exact_resume) and ends with the uninterrupted weights."""
+    row = ROWS_BY_NAME["exception_rank1_after_forward"]
+    result = run_row(row, tmp_path / row.name, resume=True)
+    _check(row, result, resumed=True)
+    assert result.same_weights is True and result.resumed_to_step == STEPS_PER_EPOCH * EPOCHS, result
 
 
 @pytest.mark.slow

@@ -120,3 +120,30 @@ def test_registered_names_are_the_class_with_a_start_method() -> None:
         entry = StrategyRegistry[name]
         assert entry["strategy"] is CustomDDPStrategy
         assert entry["init_params"] == ({"start_method": start_method} if start_method else {})
+
+
+def test_a_failed_child_ends_the_other_children_at_once_and_rank_0_after_a_grace(monkeypatch) -> None:
+    """The popen launcher's observer: rank 0 (here a stand-in process) may finish writing its last
+    checkpoint before it is killed; Lightning's own observer SIGKILLs it at once."""
+    import signal
+    import threading
+    import time
+
+    from strategies import launchers
+
+    monkeypatch.setattr(launchers, "RANK0_GRACE_S", 1.0)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    rank0, other = subprocess.Popen(sleeper), subprocess.Popen(sleeper)
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    failed.wait()
+    observer = launchers._ObserverSparingRank0(main_pid=rank0.pid, child_processes=[failed, other])
+    started = time.monotonic()
+    poll = threading.Thread(target=observer._run)  # one poll of Lightning's loop: a child failed
+    poll.start()
+    other.wait(timeout=5)
+    assert other.returncode == -signal.SIGKILL
+    time.sleep(0.3)
+    assert rank0.poll() is None  # spared while it may still be writing
+    rank0.wait(timeout=5)
+    poll.join()
+    assert rank0.returncode == -signal.SIGKILL and time.monotonic() - started >= 1.0

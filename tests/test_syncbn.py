@@ -114,6 +114,32 @@ def test_empty_batch_returns_empty_and_keeps_running_stats():
     assert layer.num_batches_tracked == 1  # torch counts the call too
 
 
+def test_a_forward_whose_collective_fails_leaves_the_layer_as_it_was(monkeypatch):
+    """A peer lost during the statistics' all_gather: no batch counted, so a checkpoint written then
+    (strategies.last_checkpoint) resumes exactly. torch's BatchNorm counts the call before it computes."""
+    import parallel.syncbn
+
+    def lost_peer(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    layer = SyncBatchNorm(3, momentum=None)
+    layer(torch.randn(4, 3))
+    monkeypatch.setattr(parallel.syncbn, "sync_batch_norm", lost_peer)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        layer(torch.randn(4, 3))
+    assert layer.num_batches_tracked == 1
+    monkeypatch.undo()
+    reference = nn.BatchNorm1d(3, momentum=None)
+    batches = [torch.randn(4, 3) for _ in range(2)]
+    for batch in batches:
+        reference(batch)
+    fresh = SyncBatchNorm(3, momentum=None)
+    for batch in batches:
+        fresh(batch)
+    torch.testing.assert_close(fresh.running_mean, reference.running_mean)  # the cumulative average as torch's
+    assert fresh.num_batches_tracked == reference.num_batches_tracked == 2
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

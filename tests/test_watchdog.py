@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch.trainer.states import TrainerFn
@@ -28,6 +29,7 @@ from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_
 from parallel.buckets import Bucket
 from strategies.heartbeat import Progress, main_thread_state, stack_text
 from strategies.job_store import StoreUnanswered, connect_store
+from strategies.last_checkpoint import LastCheckpoint
 from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
 from strategies.watchdog import Watchdog
@@ -209,12 +211,30 @@ def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() ->
                   "global_step": 15}
         return SimpleNamespace(**{**fields, **changes})
 
-    watchdog = Watchdog(STALL)
-    assert watchdog._cannot_save(trainer()) is None
-    assert "only rank 0" in watchdog._cannot_save(trainer(is_global_zero=False))
-    watchdog._zero1 = True  # what attach() records from the strategy's options
-    assert "zero1" in watchdog._cannot_save(trainer())
-    watchdog._zero1 = False
-    assert "validate" in watchdog._cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
-    watchdog._updating = True
-    assert "inside an optimizer update" in watchdog._cannot_save(trainer())
+    last = LastCheckpoint()
+    assert last.cannot_save(trainer()) is None
+    assert "only rank 0" in last.cannot_save(trainer(is_global_zero=False))
+    assert "zero1" in LastCheckpoint(zero1=True).cannot_save(trainer())  # attach() passes the strategy's option
+    assert "validate" in last.cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
+    last.updating = True  # on_before_optimizer_step
+    assert "inside an optimizer update" in last.cannot_save(trainer())
+
+
+def test_the_last_checkpoint_holds_the_buffers_of_the_batch_start() -> None:
+    module = nn.BatchNorm1d(3)
+    trainer = SimpleNamespace(is_global_zero=True, global_step=4)
+    last = LastCheckpoint()
+    last.batch_started(trainer, module)
+    before = module.running_mean.clone()
+    module(torch.randn(8, 3) + 5.0)  # the batch in flight moves the statistics
+    checkpoint = {"state_dict": {name: value.clone() for name, value in module.state_dict().items()}}
+    last.saving(trainer, checkpoint)  # someone else's checkpoint: as it is
+    assert not torch.equal(checkpoint["state_dict"]["running_mean"], before)
+    last._writing = True  # what save() sets around its own trainer.save_checkpoint
+    last.saving(trainer, checkpoint)
+    assert torch.equal(checkpoint["state_dict"]["running_mean"], before)
+    assert checkpoint["state_dict"]["num_batches_tracked"] == 0 and last.saved_step == 4
+    last.batch_ended()  # outside a batch the module's own buffers are the state
+    checkpoint = {"state_dict": dict(module.state_dict())}
+    last.saving(trainer, checkpoint)
+    assert not torch.equal(checkpoint["state_dict"]["running_mean"], before)
