@@ -57,8 +57,6 @@ def _lost(row: dict[str, Any]) -> str:
 
 
 def _same(row: dict[str, Any]) -> str:
-    if row.get("same_weights") is False and row.get("steps_lost") == 0:
-        return "no: resumed mid-epoch (the DataLoader restarts the epoch)"
     return {None: "–", True: "yes (bitwise)", False: "**NO**"}[row.get("same_weights")]
 
 
