@@ -1,4 +1,5 @@
-"""Lightning's launchers, refusing a trainer call that starts while another one runs.
+"""Lightning's launchers, refusing a trainer call that starts while another one runs; the popen one
+also gives rank 0 time to write its last checkpoint when a child fails (:class:`_ObserverSparingRank0`).
 
 A ``trainer.validate``/``test``/``fit``/``predict`` called from a hook or a callback while another
 stage runs would re-launch the processes from inside a rank: Lightning's fork launcher then fails

@@ -11,7 +11,9 @@ whether optimizer state is sharded, and it never reads the strategy back. While 
 - marks progress at every batch start and end (train, validation, test, predict, sanity check)
   and optimizer step: the markers :mod:`strategies.stall_watch` reads;
 - on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
-  exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first.
+  exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first;
+- on rank 0, writes the checkpoint of the last completed optimizer step when a stall or a peer's
+  failure ends the job (:mod:`strategies.last_checkpoint`).
 
 ``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
 """
