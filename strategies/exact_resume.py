@@ -5,18 +5,22 @@ A fit resumed from a mid-epoch checkpoint (a signal's stop checkpoint, the watch
 ``ModelCheckpoint(every_n_train_steps=...)``) counts on from the batch it stopped at, while a plain
 ``DataLoader`` starts the epoch over: the epoch's first batches are trained twice and its last ones
 never (Lightning warns that the loader "is not resumable"; ``ddp`` does the same). Here, when the
-training loader is set up for a fit that restarts mid-epoch, it is rebuilt
-(:mod:`strategies.loaders`) around a :class:`~parallel.resume_sampler.ResumeSampler` that leaves
-out the batches the loop counts as done; the first training batch then checks that the loop's batch
-index is where the loader resumed, so a Lightning whose restart bookkeeping moved raises instead of
-silently training batches twice.
+training loader of a fit resumed from a checkpoint is set up, it is rebuilt (:mod:`strategies.loaders`)
+around a :class:`~parallel.resume_sampler.ResumeSampler` whose first pass leaves out the batches the
+loop counts as done, in the resumed epoch's order. How many, and which epoch, are read when that pass
+begins, from the restored loop: a module whose ``configure_optimizers`` asks for
+``trainer.estimated_stepping_batches`` (a OneCycle schedule) makes Lightning set the loader up, and
+make its iterator, before it restores the checkpoint; with workers, that iterator draws indices at
+once, so at ``on_train_start`` (after the restore) such a pass is rewound and the loop's iterator made
+anew (``FitLoop._data_fetcher``, a private name listed in :mod:`strategies.lightning_seams`). The first
+training batch then checks that the loop resumed at that batch index; a Lightning whose restart
+bookkeeping moved raises there instead of silently training batches twice.
 
-It applies to a torch ``DataLoader`` over a map-style dataset, batched by torch's ``BatchSampler``,
-whose sampler repeats its order in the resumed run: the ``DistributedSampler`` Lightning injects (its
-order is a function of seed and epoch) or a ``SequentialSampler``. Any other loader (an
-``IterableDataset``, a sampler or batch sampler of your own, ``overfit_batches``) starts the epoch
-over as under ``ddp``, with a warning. Random number generators are not restored: the resumed epoch
-sees the same samples, not the same random draws (dropout, random augmentation).
+It applies to a torch ``DataLoader`` (not a subclass) over a map-style dataset, batched by torch's
+``BatchSampler``, whose sampler repeats its order in the resumed run: the ``DistributedSampler``
+Lightning injects (its order is a function of seed and epoch) or a ``SequentialSampler``. Any other
+loader starts the epoch over as under ``ddp``, with a warning at the first batch. Random number
+generators are not restored: the resumed epoch sees the same samples, not the same random draws.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DistributedSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
@@ -53,6 +57,65 @@ def _epoch_batches(length: int, limit: int | float) -> int:
     return min(length, limit) if isinstance(limit, int) else int(length * limit)
 
 
+def _not_by_index(dataloader: object, trainer: pl.Trainer) -> Optional[str]:
+    """Why ``dataloader`` cannot resume by index, or ``None``."""
+    batching = index_batching(dataloader)
+    if isinstance(batching, str):
+        return batching
+    if type(dataloader) is not DataLoader:
+        return f"a {type(dataloader).__name__} (a DataLoader subclass iterates its own way)"
+    if type(dataloader.sampler) not in _REPEATABLE_ORDER:
+        return f"sampled by a {type(dataloader.sampler).__name__}"
+    return "overfit_batches" if trainer.overfit_batches > 0 else None
+
+
+class _Resume:
+    """One training loader of a resumed fit: how far its first pass skipped, checked at the first batch."""
+
+    def __init__(self, trainer: pl.Trainer, length: int, batch_size: int, reason: Optional[str]) -> None:
+        self._trainer, self._length, self._batch_size, self.reason = trainer, length, batch_size, reason
+        self.done: Optional[int] = None  # batches of the epoch the first pass left out (None: not begun)
+        self.restored = False  # whether the loop's state had been restored when the first pass began
+        self.sampler: Optional[ResumeSampler] = None
+
+    def epoch(self) -> int:
+        return self._trainer.current_epoch
+
+    def _loaded(self) -> bool:
+        # The checkpoint's loop state is in: one written after any training batch counts some.
+        return self._trainer.fit_loop.epoch_loop.batch_progress.total.ready > 0
+
+    def began_too_early(self) -> bool:
+        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet)."""
+        return self.done is not None and not self.restored and self._loaded()
+
+    def first_pass_skip(self) -> int:
+        """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
+        loop = self._trainer.fit_loop
+        self.restored = self._loaded()
+        done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
+        self.done = done if 0 < done < _epoch_batches(self._length, self._trainer.limit_train_batches) else 0
+        if self.done:
+            rank_zero_info(f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
+                           "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
+                           "Lightning's warning that the loader is not resumable does not apply)")
+        # A shorter loader, cycled within the epoch, is that far into its current pass.
+        return (self.done % self._length) * self._batch_size if self.done else 0
+
+    def check(self, epoch: int, batch_idx: int) -> None:
+        """At the resumed fit's first training batch (``batch_idx``: where Lightning's loop goes on)."""
+        if self.reason is not None:
+            if batch_idx > 0:
+                rank_zero_warn(f"custom_ddp: resuming epoch {epoch} at batch {batch_idx}, but the training loader is "
+                               f"{self.reason}, which cannot resume by index: it starts the epoch over, as under ddp "
+                               f"(its first {batch_idx} batches are trained again).")
+        elif batch_idx != self.done:
+            raise RuntimeError(
+                f"custom_ddp: the training loader resumed epoch {epoch} at batch {self.done}, but Lightning's loop "
+                f"resumed at batch {batch_idx}: its restart bookkeeping differs from this version's (Lightning "
+                f"{pl.__version__}). {_FALLBACK}.")
+
+
 class ExactResume:
     """Strategy hooks of exact mid-epoch resume; mix in before ``DDPStrategy`` (module docstring).
 
@@ -61,43 +124,45 @@ class ExactResume:
 
     options: Any  # the strategy's CustomDDPOptions
     lightning_module: Optional[pl.LightningModule]
-    _resume_check: Optional[tuple[int, int]] = None  # (epoch, batch index) of the first resumed batch
+    _resumes: tuple[_Resume, ...] = ()  # this resumed fit's training loaders, until its first batch
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         module = self.lightning_module
-        if not self.options.exact_resume or module is None or module._trainer is None:
+        trainer = None if module is None else module._trainer
+        if (not self.options.exact_resume or trainer is None or trainer.state.fn != TrainerFn.FITTING
+                or trainer.state.stage != RunningStage.TRAINING or not trainer.ckpt_path):
             return dataloader
-        trainer = module.trainer
-        if trainer.state.stage != RunningStage.TRAINING or not trainer.fit_loop.restarting:
+        reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
+        if reason is not None:
+            self._resumes += (_Resume(trainer, 0, 0, reason),)
             return dataloader
-        done, epoch = batches_done(trainer.fit_loop.epoch_loop.batch_progress), trainer.current_epoch
-        length = len(dataloader) if hasattr(dataloader, "__len__") else None
-        if length is None or not 0 < done < _epoch_batches(length, trainer.limit_train_batches):
-            return dataloader  # not mid-epoch (or an unsized loader: Lightning cannot resume it mid-epoch either)
         batching = index_batching(dataloader)
-        if isinstance(batching, str) or trainer.overfit_batches > 0 or type(dataloader.sampler) not in _REPEATABLE_ORDER:
-            why = batching if isinstance(batching, str) else f"sampled by a {type(dataloader.sampler).__name__}"
-            rank_zero_warn(f"custom_ddp: resuming epoch {epoch} at batch {done}, but the training loader is {why}, "
-                           "which cannot resume by index: it starts the epoch over, as under ddp (its first "
-                           f"{done} batches are trained again).")
-            return dataloader
-        self._resume_check = (epoch, done)
-        skip = (done % length) * batching[0]  # a shorter loader cycled within the epoch is that far into its pass
-        rank_zero_info(f"custom_ddp: resuming epoch {epoch} at batch {done}: the training loader leaves out the "
-                       f"{skip} samples per rank the interrupted epoch trained (exact_resume; Lightning's warning "
-                       "that the loader is not resumable does not apply)")
-        return with_sampler(dataloader, ResumeSampler(dataloader.sampler, skip, epoch), batching, "training loader",
-                            _FALLBACK)
+        resume = _Resume(trainer, len(dataloader), batching[0], None)
+        resume.sampler = ResumeSampler(dataloader.sampler, resume.first_pass_skip, resume.epoch)
+        self._resumes += (resume,)
+        return with_sampler(dataloader, resume.sampler, batching, "training loader", _FALLBACK)
+
+    @override
+    def on_train_start(self) -> None:
+        # After the restore, before the first batch: a pass begun too early (by workers drawing indices when
+        # the loop made its iterator before the restore) is begun again, in the resumed epoch's order.
+        early = [resume for resume in self._resumes if resume.began_too_early()]
+        for resume in early:
+            resume.sampler.rewind()  # type: ignore[union-attr]
+        if early:
+            iter(self.lightning_module.trainer.fit_loop._data_fetcher)  # type: ignore[union-attr]
+        super().on_train_start()  # type: ignore[misc]
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._resume_check is not None:
-            (epoch, expected), self._resume_check = self._resume_check, None
-            if batch_idx != expected:
-                raise RuntimeError(
-                    f"custom_ddp: the training loader resumed epoch {epoch} at batch {expected}, but Lightning's "
-                    f"loop resumed at batch {batch_idx}: its restart bookkeeping differs from this version's "
-                    f"(Lightning {pl.__version__}). {_FALLBACK}.")
+        resumes, self._resumes = self._resumes, ()
+        for resume in resumes:
+            resume.check(self.lightning_module.current_epoch, batch_idx)  # type: ignore[union-attr]
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        self._resumes = ()  # a fit that never reached a training batch
+        super().teardown()  # type: ignore[misc]

@@ -66,14 +66,15 @@ class Recorder(pl.LightningModule):
         torch.save({"state": state, "seen": self.seen}, self.out / f"rank{self.global_rank}.pt")
 
 
-def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None) -> list[dict[str, Any]]:
+def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None,
+         module: type[Recorder] | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True)
     pl.seed_everything(0, verbose=False)
     checkpoints = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
                          accumulate_grad_batches=ACCUMULATE, callbacks=[checkpoints], enable_progress_bar=False,
                          enable_model_summary=False)
-    trainer.fit(Recorder(out), ckpt_path=ckpt_path)
+    trainer.fit((module or Recorder)(out), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
@@ -101,6 +102,46 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_a
             assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
 
 
+class OneCycle(Recorder):
+    """Lightning's documented OneCycle pattern: ``estimated_stepping_batches`` in ``configure_optimizers``
+    makes Lightning set the training loader up, and make its iterator, before it restores the checkpoint."""
+
+    workers = 0
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=self.workers)
+
+
+class Workers(Recorder):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=1)
+
+
+class OneCycleWorkers(OneCycle):
+    workers = 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("module", [OneCycle, Workers, OneCycleWorkers])
+def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise(tmp_path: Path,
+                                                                                 module: type[Recorder]) -> None:
+    """With workers, the loop's iterator draws indices when it is made: before the restore (OneCycle)
+    or before ``set_epoch`` (every resumed fit). The resumed epoch's samples, in its order, each once."""
+    truth = _fit(_custom(), tmp_path / "full", module=module)
+    resumed = _fit(_custom(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module)
+    for rank in range(2):
+        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
+        assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+
+
 @pytest.mark.distributed
 def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
                                                       uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -114,18 +155,23 @@ def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
 
 def test_resume_sampler_leaves_out_the_first_indices_of_its_first_pass_only() -> None:
     sampler = ResumeSampler(SequentialSampler(range(10)), skip=4)
-    assert len(sampler) == 10 and sampler.pending_skip == 4
+    assert len(sampler) == 10 and not sampler.first_pass_begun
     assert list(sampler) == [4, 5, 6, 7, 8, 9]
-    assert list(sampler) == list(range(10)) and sampler.pending_skip == 0
+    assert list(sampler) == list(range(10)) and sampler.first_pass_begun
+    sampler.rewind()  # an iterator made too early: the next pass is a first pass again
+    assert list(sampler) == [4, 5, 6, 7, 8, 9]
 
 
-def test_resume_sampler_sets_the_resumed_epoch_at_once_and_forwards_later_ones() -> None:
+def test_resume_sampler_asks_for_skip_and_epoch_when_its_first_pass_begins() -> None:
     from torch.utils.data import DistributedSampler
 
     inner = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=3)
-    sampler = ResumeSampler(inner, skip=2, epoch=5)
+    state = {"skip": 0, "epoch": 0}
+    sampler = ResumeSampler(inner, lambda: state["skip"], lambda: state["epoch"])
+    state.update(skip=2, epoch=5)  # the checkpoint is restored after the loader was set up
     inner.set_epoch(5)
     expected = list(inner)
+    inner.set_epoch(0)
     assert list(sampler) == expected[2:]  # epoch 5's order, without a set_epoch call before the pass
     sampler.set_epoch(6)
     inner_epoch6 = list(inner)
@@ -157,13 +203,13 @@ def test_batches_done_counts_a_batch_saved_at_its_end_as_lightning_resumes_it() 
 
 
 def test_a_loop_that_resumes_elsewhere_than_the_loader_raises_at_the_first_batch() -> None:
-    strategy = _custom()
-    strategy._resume_check = (1, 3)
+    from strategies.exact_resume import _Resume
+
+    resume = _Resume(None, length=6, batch_size=4, reason=None)  # type: ignore[arg-type]
+    resume.done = 3
     with pytest.raises(RuntimeError, match="resumed epoch 1 at batch 3, but Lightning's loop resumed at batch 2"):
-        strategy.on_train_batch_start(None, 2)
-    strategy._resume_check = (1, 3)
-    strategy.on_train_batch_start(None, 3)
-    strategy.on_train_batch_start(None, 2)  # checked once: later batches are the loop's own business
+        resume.check(1, 2)
+    resume.check(1, 3)
 
 
 class ReversedOrder(torch.utils.data.Sampler):
