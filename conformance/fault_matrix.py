@@ -247,13 +247,18 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
         done = [e for e in events if e["event"] == "exit" and e["rank"] == 0]
         result.resumed_to_step = done[-1].get("step") if done else None  # the fit itself went on to the end
     elif resume and after is not None:
-        resumed = out / "resume"
-        again = _run_fit(_fit_command(resumed, None, last), resumed, None)
-        done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]
-        result.resume_status = _shell_status(again.returncode)
-        result.resumed_to_step = done[0].get("step") if done else None
-        result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent)
+        _resume_outcome(result, last, out)
     return result
+
+
+def _resume_outcome(result: Result, checkpoint: Path, out: Path) -> None:
+    """``fit --ckpt_path`` from the checkpoint written after the fault: its status, final step and weights."""
+    resumed = out / "resume"
+    again = _run_fit(_fit_command(resumed, None, checkpoint), resumed, None)
+    done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]
+    result.resume_status = _shell_status(again.returncode)
+    result.resumed_to_step = done[0].get("step") if done else None
+    result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
