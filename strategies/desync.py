@@ -28,8 +28,8 @@ process group exists: the strategy sets torch's debug level in ``setup_environme
 from __future__ import annotations
 
 import logging
+import time
 import traceback
-from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from measure.run_info import display_path
+from strategies.job_store import connect_store
 
 __all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "report_desync"]
 
@@ -135,17 +136,22 @@ def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Op
     """Every rank's line through the job's TCP store (rank 0 waits up to 3 s); ``None`` if unreachable.
 
     The store is the rendezvous server every rank already talks to; it is not a collective, so a
-    desynchronised process group cannot hang it. Only rank 0 waits for the others' lines.
+    desynchronised process group cannot hang it, and a stopped store host cannot either (every store
+    call ends within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the others' lines.
     """
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_STORE_WAIT_S))
-        store.set(f"custom_ddp/desync/{rank}", line)
+        store = connect_store(host, port, "custom_ddp/desync/", op_timeout_s=_STORE_WAIT_S)
+        store.set(str(rank), line)
         if rank != 0:
             return [line]
-        keys = [f"custom_ddp/desync/{r}" for r in range(world_size)]
-        store.wait(keys, timedelta(seconds=_STORE_WAIT_S))
-        return [store.get(key).decode() for key in keys]
-    except (RuntimeError, OSError, ValueError):  # unreachable store or a peer that never reported
+        keys = [str(r) for r in range(world_size)]
+        deadline = time.monotonic() + _STORE_WAIT_S
+        while not store.check(keys):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        return [value.decode() for value in store.multi_get(keys)]
+    except (RuntimeError, OSError, ValueError):  # unreachable store (StoreUnanswered is a RuntimeError)
         return None
 
 

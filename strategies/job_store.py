@@ -7,8 +7,9 @@ still takes the request's bytes, and ``check``, ``get`` and ``multi_get`` wait f
 (measured with torch 2.14: still blocked after 40 s with a 5 s timeout). A heartbeat thread blocked
 there decides nothing, and a stopped rank 0 hung the whole job (fault matrix row ``sigstop_rank0_train``).
 
-:class:`BoundedStore` runs the client's operations on one worker thread, in call order, and waits at
-most ``op_timeout_s`` for each. An operation that does not finish in time raises
+:class:`BoundedStore` connects and runs the client's operations on one worker thread, in call order,
+and waits at most ``op_timeout_s`` for each (the connection too: c10d's constructor also waits for
+good on a stopped host, measured above 60 s with a 5 s timeout). An operation that does not finish in time raises
 :class:`StoreUnanswered`, which says since when the store has not answered; while the worker is
 still stuck in it, every further call raises at once (queuing more would only pile up behind it). A
 call given up before it started never runs. When the host answers again, the worker goes on.
@@ -22,7 +23,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -60,15 +61,20 @@ class _Lane:
         self.running: Optional[_Call] = None
 
 
-def _serve(store: dist.Store, lane: _Lane) -> None:
-    """The worker thread: runs the calls in order until ``None`` arrives (then the client can close)."""
+def _serve(connect: Callable[[], dist.Store], lane: _Lane) -> None:
+    """The worker thread: connects (the first call), then runs the calls in order until ``None``
+    arrives (then the client can close)."""
+    store: Optional[dist.Store] = None
     while (call := lane.calls.get()) is not None:
         with lane.lock:
             if call.abandoned:
                 continue
             call.started, lane.running = time.monotonic(), call
         try:
-            call.result = getattr(store, call.operation)(*call.args)
+            if store is None:
+                store = call.result = connect()
+            else:
+                call.result = getattr(store, call.operation)(*call.args)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             call.error = error
         with lane.lock:
@@ -77,16 +83,23 @@ def _serve(store: dist.Store, lane: _Lane) -> None:
 
 
 class BoundedStore:
-    """``store``'s ``set``/``get``/``check``/``multi_get``/``compare_set``, each answered or raising
-    :class:`StoreUnanswered` within ``op_timeout_s`` (see the module docstring). Thread-safe."""
+    """The store ``connect()`` returns, made on the worker thread: its ``set``/``get``/``check``/
+    ``multi_get``/``compare_set``, each answered or raising :class:`StoreUnanswered` within
+    ``op_timeout_s`` (see the module docstring). Thread-safe. The constructor raises what
+    ``connect`` raises, or :class:`StoreUnanswered` when it does not return in time."""
 
-    def __init__(self, store: dist.Store, op_timeout_s: float = STORE_OP_S) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], op_timeout_s: float = STORE_OP_S) -> None:
         self._timeout = op_timeout_s
         self._lane = _Lane()
         # A daemon thread holding the client, not this object: dropping this object ends it too.
-        worker = threading.Thread(target=_serve, args=(store, self._lane), name="custom_ddp-store", daemon=True)
+        worker = threading.Thread(target=_serve, args=(connect, self._lane), name="custom_ddp-store", daemon=True)
         worker.start()
         self._close = weakref.finalize(self, self._lane.calls.put, None)
+        try:
+            self._call("connect")
+        except BaseException:
+            self.close()  # the worker ends once the connection returns, if it ever does
+            raise
 
     def set(self, key: str, value: str | bytes) -> None:
         self._call("set", key, value)
@@ -127,7 +140,12 @@ class BoundedStore:
         return call.result
 
 
-def connect_store(host: str, port: int, prefix: str) -> BoundedStore:
-    """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_OP_S))
-    return BoundedStore(dist.PrefixStore(prefix, store))
+def connect_store(host: str, port: int, prefix: str, op_timeout_s: float = STORE_OP_S) -> BoundedStore:
+    """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``;
+    raises :class:`StoreUnanswered` when the host does not accept it within ``op_timeout_s``."""
+
+    def connect() -> dist.Store:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=op_timeout_s))
+        return dist.PrefixStore(prefix, store)
+
+    return BoundedStore(connect, op_timeout_s)

@@ -12,7 +12,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from strategies.job_store import BoundedStore, StoreUnanswered
+from strategies.desync import _exchange
+from strategies.job_store import BoundedStore, StoreUnanswered, connect_store
 
 DEADLINE_S = 0.3
 
@@ -58,7 +59,7 @@ def store_host():
 
 def test_operations_pass_through_to_a_healthy_store() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
-    store = BoundedStore(dist.PrefixStore("job/", server), op_timeout_s=5.0)
+    store = BoundedStore(lambda: dist.PrefixStore("job/", server), op_timeout_s=5.0)
     store.set("a", "1")
     assert store.check(["a"]) and not store.check(["b"])
     assert store.get("a") == b"1" and store.multi_get(["a"]) == [b"1"]
@@ -68,7 +69,7 @@ def test_operations_pass_through_to_a_healthy_store() -> None:
 
 def test_a_store_that_does_not_answer_raises_in_time_and_runs_no_abandoned_call() -> None:
     blocking = BlockingStore()
-    store = BoundedStore(blocking, op_timeout_s=DEADLINE_S)  # type: ignore[arg-type]
+    store = BoundedStore(lambda: blocking, op_timeout_s=DEADLINE_S)  # type: ignore[arg-type,return-value]
     errors: list[BaseException] = []
     stuck = threading.Thread(target=lambda: errors.append(pytest.raises(StoreUnanswered, store.check, ["k"]).value))
     stuck.start()
@@ -102,7 +103,7 @@ def test_a_stopped_store_host_fails_every_operation_within_the_deadline(store_ho
     """c10d's own client waits for good on a SIGSTOP'd host (check, get, multi_get), whatever its timeout."""
     port, host = store_host
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
-    store = BoundedStore(dist.PrefixStore("job/", client), op_timeout_s=DEADLINE_S)
+    store = BoundedStore(lambda: dist.PrefixStore("job/", client), op_timeout_s=DEADLINE_S)
     store.set("hb/1", "beat")
     assert store.check(["hb/1"])
     os.kill(host.pid, signal.SIGSTOP)
@@ -115,7 +116,7 @@ def test_a_stopped_store_host_fails_every_operation_within_the_deadline(store_ho
 
 def test_close_ends_the_worker_thread() -> None:
     before = set(threading.enumerate())
-    store = BoundedStore(BlockingStore(), op_timeout_s=DEADLINE_S)  # type: ignore[arg-type]
+    store = BoundedStore(BlockingStore, op_timeout_s=DEADLINE_S)  # type: ignore[arg-type]
     store.set("k", "v")
     workers = [thread for thread in set(threading.enumerate()) - before if thread.name == "custom_ddp-store"]
     assert len(workers) == 1
@@ -123,3 +124,34 @@ def test_close_ends_the_worker_thread() -> None:
     for thread in workers:
         thread.join(timeout=1.0)
     assert not any(thread.is_alive() for thread in workers)
+
+
+def test_connecting_to_a_stopped_store_host_fails_within_the_deadline(store_host) -> None:
+    """c10d's client constructor waits for good on a SIGSTOP'd host too (measured: still waiting after 60 s)."""
+    port, host = store_host
+    connect_store("127.0.0.1", port, "job/", op_timeout_s=DEADLINE_S).set("k", "v")  # healthy: connects
+    os.kill(host.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(StoreUnanswered, match="has not answered connect"):
+        connect_store("127.0.0.1", port, "job/", op_timeout_s=DEADLINE_S)
+    assert time.monotonic() - started < DEADLINE_S + 0.2
+
+
+def test_a_connection_that_fails_raises_its_own_error() -> None:
+    def refuse() -> dist.Store:
+        raise ConnectionRefusedError("no store here")
+
+    with pytest.raises(ConnectionRefusedError, match="no store here"):
+        BoundedStore(refuse, op_timeout_s=DEADLINE_S)
+
+
+def test_the_desync_exchange_gives_up_on_a_stopped_store_host(store_host, monkeypatch) -> None:
+    """The desync report's line exchange is bounded too: rank 0 prints its own side instead of hanging."""
+    port, host = store_host
+    monkeypatch.setattr("strategies.desync._STORE_WAIT_S", DEADLINE_S)
+    assert _exchange("rank 1: x", 1, 2, "127.0.0.1", port) == ["rank 1: x"]
+    assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) == ["rank 0: y", "rank 1: x"]
+    os.kill(host.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) is None
+    assert time.monotonic() - started < DEADLINE_S + 0.2
