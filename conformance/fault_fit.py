@@ -155,6 +155,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max_epochs", type=int, default=3)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout, seconds")
     parser.add_argument("--desync_check", action="store_true")
     parser.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
@@ -183,6 +184,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.max_epochs, callbacks=[checkpoint],
+        accumulate_grad_batches=args.accumulate,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
         default_root_dir=args.out,
     )

@@ -49,8 +49,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
 README = REPO_ROOT / "README.md"
 
-def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None) -> list[str]:
-    fit = ["-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS)]
+def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None, accumulate: int = 1) -> list[str]:
+    """The fit with ``row``'s faults (``None``: none; ``accumulate`` then sets ``accumulate_grad_batches``)."""
+    accumulate = row.accumulate if row is not None else accumulate
+    fit = ["-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS), "--accumulate",
+           str(accumulate)]
     if row is not None and row.max_restarts is not None:  # torchrun's elastic agent restarts every rank
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     f"--max-restarts={row.max_restarts}"]
@@ -183,11 +186,12 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 
-def same_as_uninterrupted(final: Path, work: Path) -> Optional[bool]:
-    """Whether ``final``'s weights equal bitwise those of an uninterrupted fit (run once per ``work`` folder)."""
-    reference = work / "uninterrupted"
+def same_as_uninterrupted(final: Path, work: Path, accumulate: int = 1) -> Optional[bool]:
+    """Whether ``final``'s weights equal bitwise those of an uninterrupted fit with ``accumulate_grad_batches``
+    ``accumulate`` (run once per ``work`` folder)."""
+    reference = work / ("uninterrupted" if accumulate == 1 else f"uninterrupted_accumulate{accumulate}")
     if not (reference / "checkpoints" / "last.ckpt").exists():
-        _run_fit(_fit_command(reference, None), reference, None)
+        _run_fit(_fit_command(reference, None, accumulate=accumulate), reference, None)
     if not final.exists() or not (reference / "checkpoints" / "last.ckpt").exists():
         return None
     ours, theirs = _state(final), _state(reference / "checkpoints" / "last.ckpt")
@@ -233,12 +237,13 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
     # The slow-save row's last.ckpt after its "fault" is the fit's own end-of-run checkpoint: no stop's.
     after = None if row.max_restarts is not None or row.fault == "slow_save" else _checkpoint_step(last, run.fault_at)
     result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
-                    status, rank0_message(out), after, max(before) if before else None, hung=run.killed)
+                    status, rank0_message(out), after, max(before) if before else None, hung=run.killed,
+                    final_step=row.final_step)
     result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]
     if row.max_restarts is not None:
         _restart_outcome(result, events, run)
         if resume:
-            result.same_weights = same_as_uninterrupted(last, out.parent)
+            result.same_weights = same_as_uninterrupted(last, out.parent, row.accumulate)
         return result
     newest = after if after is not None else _checkpoint_step(last, 0.0)
     if newest is not None and result.step_at_fault is not None and row.fault != "slow_save":
@@ -247,18 +252,18 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
         done = [e for e in events if e["event"] == "exit" and e["rank"] == 0]
         result.resumed_to_step = done[-1].get("step") if done else None  # the fit itself went on to the end
     elif resume and after is not None:
-        _resume_outcome(result, last, out)
+        _resume_outcome(result, last, out, row.accumulate)
     return result
 
 
-def _resume_outcome(result: Result, checkpoint: Path, out: Path) -> None:
+def _resume_outcome(result: Result, checkpoint: Path, out: Path, accumulate: int) -> None:
     """``fit --ckpt_path`` from the checkpoint written after the fault: its status, final step and weights."""
     resumed = out / "resume"
-    again = _run_fit(_fit_command(resumed, None, checkpoint), resumed, None)
+    again = _run_fit(_fit_command(resumed, None, checkpoint, accumulate), resumed, None)
     done = [e for e in _events(resumed) if e["event"] == "exit" and e["rank"] == 0]
     result.resume_status = _shell_status(again.returncode)
     result.resumed_to_step = done[0].get("step") if done else None
-    result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent)
+    result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent, accumulate)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

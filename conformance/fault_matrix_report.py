@@ -48,7 +48,7 @@ def _resume(row: dict[str, Any], final_step: int) -> str:
         return f"no stop: the fit went on to step {row['resumed_to_step']}"
     if row["checkpoint_step"] is None and row.get("resume_status") is None:
         return "–"
-    ok = row["resume_status"] == 0 and row["resumed_to_step"] == final_step
+    ok = row["resume_status"] == 0 and row["resumed_to_step"] == row.get("final_step", final_step)
     return f"{'yes' if ok else '**NO**'} (exit {row['resume_status']}, step {row['resumed_to_step']})"
 
 

@@ -30,10 +30,16 @@ class Row:
     timeout_s: float = 30.0
     stall_timeout_s: Optional[float] = None  # None: the strategy's default
     max_restarts: Optional[int] = None  # run under torchrun --max-restarts=N with --ckpt_path last
+    accumulate: int = 1  # accumulate_grad_batches (FAULT_BATCH 3 is then the second micro-batch of a window of 2)
 
     @property
     def is_signal(self) -> bool:
         return self.fault.startswith("SIG")
+
+    @property
+    def final_step(self) -> int:
+        """The global step an uninterrupted (or fully resumed) fit ends at."""
+        return STEPS_PER_EPOCH // self.accumulate * EPOCHS
 
 
 ROWS = (
@@ -48,6 +54,8 @@ ROWS = (
     Row("exception_rank1_train", "exception on rank 1 only (training_step)", "exception", 1, "train"),
     Row("exception_rank1_after_forward", "exception on rank 1 after its forward (rank 0 waits in backward)",
         "exception_after_forward", 1, "train"),
+    Row("exception_rank1_mid_window", "exception on rank 1 after its forward, 2nd micro-batch of accumulate_grad_batches=2",
+        "exception_after_forward", 1, "train", accumulate=2),
     Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
         desync_check=True),
     Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
@@ -87,5 +95,6 @@ class Result:
     resume_status: Optional[int] = None
     steps_lost: Optional[int] = None
     same_weights: Optional[bool] = None  # final weights bitwise equal to an uninterrupted run's (restart rows)
+    final_step: Optional[int] = None  # where the uninterrupted fit ends (Row.final_step)
     hung: bool = False
     notes: list[str] = field(default_factory=list)

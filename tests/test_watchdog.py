@@ -6,6 +6,7 @@ on a 2-rank fit in ``tests/test_fault_matrix.py``.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -14,12 +15,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 import torch.distributed as dist
 from jsonargparse import Namespace
+from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_cifar.run_dir import resume_last_version
@@ -220,21 +223,68 @@ def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() ->
     assert "inside an optimizer update" in last.cannot_save(trainer())
 
 
-def test_the_last_checkpoint_holds_the_buffers_of_the_batch_start() -> None:
-    module = nn.BatchNorm1d(3)
-    trainer = SimpleNamespace(is_global_zero=True, global_step=4)
-    last = LastCheckpoint()
+def _batch(trainer: SimpleNamespace, last: LastCheckpoint, module: nn.Module, steps: bool, end: bool = True) -> None:
+    """One training batch as Lightning counts it and the watchdog sees it; its forward moves BatchNorm."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.increment_ready()
     last.batch_started(trainer, module)
-    before = module.running_mean.clone()
-    module(torch.randn(8, 3) + 5.0)  # the batch in flight moves the statistics
-    checkpoint = {"state_dict": {name: value.clone() for name, value in module.state_dict().items()}}
+    progress.increment_started()
+    module(torch.randn(8, 3) + 5.0)
+    if end:
+        progress.increment_processed()
+        last.updating = steps  # on_before_optimizer_step, on a batch that steps
+        last.batch_ended()
+        progress.increment_completed()
+
+
+def _checkpoint(trainer: SimpleNamespace, module: nn.Module) -> dict[str, Any]:
+    progress = trainer.fit_loop.epoch_loop.batch_progress.state_dict()
+    return {"state_dict": {name: value.clone() for name, value in module.state_dict().items()},
+            "loops": {"fit_loop": {"epoch_loop.batch_progress": copy.deepcopy(progress)}}}
+
+
+def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> None:
+    """Buffers and batch counters of the accumulation window's first micro-batch (accumulate 3 here)."""
+    module = nn.BatchNorm1d(3)
+    progress = _BatchProgress()
+    trainer = SimpleNamespace(is_global_zero=True, global_step=4, current_epoch=1,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    last = LastCheckpoint()
+    for steps in (False, False, True):  # a whole window: its step done, no window open
+        _batch(trainer, last, module, steps)
+    window_start = {name: value.clone() for name, value in module.state_dict().items()}
+    _batch(trainer, last, module, steps=False)  # the next window's first micro-batch
+    _batch(trainer, last, module, steps=False, end=False)  # its second, in flight at the fault
+    checkpoint = _checkpoint(trainer, module)
     last.saving(trainer, checkpoint)  # someone else's checkpoint: as it is
-    assert not torch.equal(checkpoint["state_dict"]["running_mean"], before)
+    assert not torch.equal(checkpoint["state_dict"]["running_mean"], window_start["running_mean"])
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 4
     last._writing = True  # what save() sets around its own trainer.save_checkpoint
     last.saving(trainer, checkpoint)
-    assert torch.equal(checkpoint["state_dict"]["running_mean"], before)
-    assert checkpoint["state_dict"]["num_batches_tracked"] == 0 and last.saved_step == 4
-    last.batch_ended()  # outside a batch the module's own buffers are the state
-    checkpoint = {"state_dict": dict(module.state_dict())}
-    last.saving(trainer, checkpoint)
-    assert not torch.equal(checkpoint["state_dict"]["running_mean"], before)
+    assert all(torch.equal(checkpoint["state_dict"][name], value) for name, value in window_start.items())
+    assert last.saved_step == 4
+    saved = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for part in ("total", "current"):  # as if the fault had come in the window's first forward: resume at batch 3
+        assert saved[part] == {"ready": 4, "started": 4, "processed": 3, "completed": 3}, part
+    restored = _BatchProgress()
+    restored.load_state_dict(saved)
+    restored.reset_on_restart()
+    assert restored.current.ready == 3  # Lightning's loop goes on at batch_idx 3
+    progress.increment_processed()
+    last.updating = True  # the window's last micro-batch steps
+    last.batch_ended()
+    checkpoint = _checkpoint(trainer, module)
+    last.saving(trainer, checkpoint)  # after the step the module's own state is the shared one
+    assert torch.equal(checkpoint["state_dict"]["running_mean"], module.running_mean)
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 5
+
+
+def test_the_last_checkpoint_needs_the_batch_counters_where_lightning_keeps_them() -> None:
+    module = nn.BatchNorm1d(3)
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, current_epoch=0,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_BatchProgress())))
+    last = LastCheckpoint()
+    last.batch_started(trainer, module)
+    last._writing = True
+    with pytest.raises(RuntimeError, match="batch counters are not at loops/fit_loop/epoch_loop.batch_progress"):
+        last.saving(trainer, {"state_dict": {}, "loops": {"fit_loop": {}}})
