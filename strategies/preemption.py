@@ -54,7 +54,7 @@ import lightning
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -172,9 +172,11 @@ class Preemption(Callback):
             return
         signum = self._recorder.signum
         if signum and self._stop is None:
+            # torchrun's agent sends SIGTERM to the survivors of a failed rank: they are already ending on the error.
+            ending = ("was already ending on an error" if trainer.state.status == TrainerStatus.INTERRUPTED
+                      else "finished normally")
             log.warning("custom_ddp: %s on rank %d arrived after the last point where the ranks could stop "
-                        "together; the %s finished normally", signal_name(signum), trainer.global_rank,
-                        trainer.state.fn.value)
+                        "together; the %s %s", signal_name(signum), trainer.global_rank, trainer.state.fn.value, ending)
         self._recorder.restore()
         if self in trainer.callbacks:
             trainer.callbacks.remove(self)

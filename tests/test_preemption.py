@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -123,6 +123,22 @@ def test_preemption_owns_the_stop_state_and_never_reads_the_strategy() -> None:
     finally:
         preemption.detach()
     assert trainer.callbacks == [] and signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("status, says", [(TrainerStatus.RUNNING, "the fit finished normally"),
+                                          (TrainerStatus.INTERRUPTED, "the fit was already ending on an error")])
+def test_a_signal_too_late_to_stop_together_is_reported_as_what_happened(caplog, status, says: str) -> None:
+    """torchrun's agent sends SIGTERM to the ranks that survive a failed one: that fit did not finish normally."""
+    trainer = SimpleNamespace(callbacks=[], state=SimpleNamespace(fn=TrainerFn.FITTING, status=status), global_rank=0)
+    preemption = Preemption()
+    preemption.attach(trainer, environment=None, launcher=None)
+    try:
+        preemption.on_train_start(trainer, None)
+        signal.raise_signal(signal.SIGTERM)  # never agreed at a step
+    finally:
+        with caplog.at_level("WARNING", logger="strategies.preemption"):
+            preemption.detach()
+    assert f"SIGTERM on rank 0 arrived after the last point where the ranks could stop together; {says}" in caplog.text
 
 
 def test_exit_status_is_128_plus_signal() -> None:
