@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -189,6 +189,13 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         if self._options.desync_check and self.cluster_environment is not None:
             log_desync(exception, self.global_rank, self.world_size, self.cluster_environment)
         super().on_exception(exception)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._watchdog.writes_for_lost_rank0:  # rank 1's last checkpoint of a job that lost rank 0
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
 from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.stall_watch import describe_where, process_state
 
-__all__ = ["CAUSE_WAIT_S", "cause_text", "is_peer_loss", "peer_causes", "write_exit_record"]
+__all__ = ["CAUSE_WAIT_S", "PeerCauses", "cause_text", "is_peer_loss", "peer_causes", "write_exit_record"]
 
 CAUSE_WAIT_S = 2.0
 _PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
@@ -83,32 +83,45 @@ def _read_records(store: dist.Store, heartbeats: list[Optional[dict[str, Any]]],
         time.sleep(0.1)
 
 
+def _gone(heartbeat: dict[str, Any], host: str) -> bool:
+    """Whether the process of this heartbeat is known gone (it ran on this machine and has exited)."""
+    return heartbeat.get("host") == host and process_state(heartbeat["pid"]) in ("gone", "Z")
+
+
 def _silent_peer(rank: int, record: Optional[dict[str, Any]], host: str) -> Optional[str]:
     if record is None:
         return None
-    state = process_state(record["pid"]) if record.get("host") == host else "?"
-    if state in ("gone", "Z"):
+    if _gone(record, host):
         return (f"custom_ddp: rank {rank} (pid {record['pid']}) ended without a word: killed by a signal it cannot "
                 f"catch (SIGKILL, the OOM killer) or a hard crash; its last heartbeat (at most 1 s before) showed "
                 f"{describe_where(record)}")
     return None
 
 
+class PeerCauses(NamedTuple):
+    """What a rank whose collective failed knows of its peers."""
+
+    lines: list[str]  # one line per peer that ended first, for the error's notes and the log
+    lost: frozenset[int]  # the peers known to have ended first (their record, or their process gone)
+
+
 def peer_causes(store: Optional[dist.Store], rank: int, heartbeats: list[Optional[dict[str, Any]]],
-                host: str, wait_s: float = CAUSE_WAIT_S) -> list[str]:
-    """One line per peer that ended first (its record), or left without one (its last heartbeat)."""
+                host: str, wait_s: float = CAUSE_WAIT_S) -> PeerCauses:
+    """The peers that ended first: from their records, else from their last heartbeat and process."""
     peers = [peer for peer in range(len(heartbeats)) if peer != rank]
     try:
         records = _read_records(store, heartbeats, rank, host, wait_s) if store is not None else {}
     except Exception:  # noqa: BLE001 - the store's host (rank 0 under Lightning's launcher) is gone
-        return ["custom_ddp: the job's store is gone with its host (rank 0 under Lightning's launcher): rank 0 "
-                "ended first; its cause is in its own output"]
-    lines = [f"custom_ddp: rank {peer} ended first: {record['cause']} at {_place(record['where'])}"
-             for peer, record in sorted(records.items()) if not record["peer_loss"]]
-    if not lines:
-        lines = [line for peer in peers if peer not in records
-                 for line in [_silent_peer(peer, heartbeats[peer], host)] if line]
-    return lines
+        gone = rank != 0 and heartbeats[0] is not None and _gone(heartbeats[0], host)
+        return PeerCauses(["custom_ddp: the job's store is gone with its host (rank 0 under Lightning's launcher): "
+                           "rank 0 ended first; its cause is in its own output"], frozenset({0} if gone else ()))
+    failed = {peer: record for peer, record in sorted(records.items()) if not record["peer_loss"]}
+    if failed:
+        return PeerCauses([f"custom_ddp: rank {peer} ended first: {record['cause']} at {_place(record['where'])}"
+                           for peer, record in failed.items()], frozenset(failed))
+    silent = {peer: line for peer in peers if peer not in records
+              for line in [_silent_peer(peer, heartbeats[peer], host)] if line}
+    return PeerCauses(list(silent.values()), frozenset(silent))
 
 
 def _place(where: dict[str, Any]) -> str:

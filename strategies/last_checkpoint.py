@@ -1,5 +1,11 @@
 """The checkpoint rank 0 writes when a stall or a peer's failure ends the job: the last completed optimizer step.
 
+Rank 0 writes it; when rank 0 is the rank lost (its process gone or stopped on this machine, or
+stalled), rank 1 writes it instead: without ZeRO-1 every rank holds the same weights, optimizer
+state and, with SyncBatchNorm and ``broadcast_buffers``, buffers, so rank 1's checkpoint is the one
+rank 0 would have written. No other rank writes (the two never race for the file: rank 1 writes
+only once rank 0 can no longer).
+
 :class:`LastCheckpoint` belongs to :class:`strategies.watchdog.Watchdog`, which hands it the training
 hooks it needs. It is written only from a state every rank shares: fitting, outside the optimizer
 update (between ``on_before_optimizer_step`` and the batch end the update may be half done), without
@@ -64,13 +70,14 @@ class LastCheckpoint:
         self.saved_step: Optional[int] = None  # global step of the newest checkpoint written
         self.updating = False  # between on_before_optimizer_step and the batch end: weights half updated
         self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
+        self.for_lost_rank0 = False  # rank 1 is writing it: the strategy's save must write on this rank too
         self._window: Optional[_Window] = None  # inside an accumulation window only (a batch without one)
         self._writing = False
 
     # ------------------------------------------------------------- training hooks (from the watchdog)
 
     def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero or self.zero1:  # the only rank that may write it
+        if trainer.global_rank > 1 or self.zero1:  # the only ranks that may write it
             return
         if self._window is None or self._window.epoch != trainer.current_epoch:  # a new accumulation window
             progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -108,24 +115,25 @@ class LastCheckpoint:
 
     # ------------------------------------------------------------- writing it
 
-    def note(self, trainer: Optional[pl.Trainer], parked: bool) -> str:
+    def note(self, trainer: Optional[pl.Trainer], parked: bool, rank0_lost: bool = False) -> str:
         """Write it if this rank can (``parked``: its main thread waits in a collective and touches no
-        state); the report's line on what to resume."""
+        state; ``rank0_lost``: rank 1 writes); the report's line on what to resume."""
         if trainer is None:
             return "no checkpoint: the stage is over"
         if parked:
-            return self.save(trainer)
-        return self._newest_note(trainer, self.cannot_save(trainer) or "this rank's main thread is not parked in "
-                                                                      "a collective")
+            return self.save(trainer, rank0_lost)
+        why = self.cannot_save(trainer, rank0_lost) or "this rank's main thread is not parked in a collective"
+        return self._newest_note(trainer, why)
 
-    def save(self, trainer: pl.Trainer) -> str:
+    def save(self, trainer: pl.Trainer, rank0_lost: bool = False) -> str:
         """Write the checkpoint of the last completed optimizer step, or say why not and name the newest one.
         The save's barrier is skipped (:attr:`ending`): there is no peer left to meet."""
-        why = self.cannot_save(trainer)
+        why = self.cannot_save(trainer, rank0_lost)
         if why:
             return self._newest_note(trainer, why)
         path = stop_checkpoint_path(trainer)
         self.ending = self._writing = True
+        self.for_lost_rank0 = not trainer.is_global_zero
         try:
             if os.path.islink(path):
                 os.remove(path)  # save_last="link": write a file, not through the link
@@ -133,13 +141,15 @@ class LastCheckpoint:
         except Exception as error:  # noqa: BLE001 - the job ends either way; say what happened
             return self._newest_note(trainer, f"writing {path} failed: {type(error).__name__}: {error}")
         finally:
-            self._writing = False
-        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by rank 0: {path} "
+            self._writing = self.for_lost_rank0 = False
+        writer = "rank 0" if trainer.is_global_zero else f"rank {trainer.global_rank}, rank 0 being lost"
+        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by {writer}: {path} "
                 f"(resume: --ckpt_path {path} or --ckpt_path last)")
 
-    def cannot_save(self, trainer: Any) -> Optional[str]:
-        if not trainer.is_global_zero:
-            return "only rank 0 writes checkpoints and it is not among the healthy ranks"
+    def cannot_save(self, trainer: Any, rank0_lost: bool = False) -> Optional[str]:
+        if trainer.global_rank != (1 if rank0_lost else 0):
+            return ("only rank 0 writes checkpoints (rank 1 when rank 0 is lost) and it is not among the healthy "
+                    "ranks")
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
         if self.zero1:

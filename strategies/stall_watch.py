@@ -111,14 +111,15 @@ def _write(text: str) -> None:
 class StallWatch:
     """The ``watch`` of a :class:`~strategies.heartbeat.Heartbeat`: judge, agree on a verdict, report, end.
 
-    ``main_stack()`` gives this rank's main-thread stack; ``checkpoint_note(own record or None)``
-    writes the last checkpoint where it can (the reporter, before any stalled rank is killed: its
-    main thread still waits in its collective) and returns the report's line on what to resume from.
+    ``main_stack()`` gives this rank's main-thread stack; ``checkpoint_note(own record or None,
+    rank0_lost)`` writes the last checkpoint where it can (the reporter, before any stalled rank is
+    killed: its main thread still waits in its collective; rank 1 when rank 0 is the rank lost) and
+    returns the report's line on what to resume from.
     """
 
     def __init__(self, rank: int, world_size: int, stall_timeout: float, identity: dict[str, Any],
                  main_stack: Callable[[], str],
-                 checkpoint_note: Callable[[Optional[dict[str, Any]]], str],
+                 checkpoint_note: Callable[[Optional[dict[str, Any]], bool], str],
                  exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank, self.world_size, self.stall_timeout = rank, world_size, stall_timeout
         self._identity, self._main_stack, self._checkpoint_note = identity, main_stack, checkpoint_note
@@ -163,7 +164,7 @@ class StallWatch:
             store.set(f"stack/{self.rank}", self._main_stack())
         if self.rank == reporter:
             stacks = self._collect_stacks(store, stalled)
-            note = self._checkpoint_note(records[self.rank])
+            note = self._checkpoint_note(records[self.rank], 0 in stalled)
             killed = self._kill_silent(stalled, records, stacks)
             _write(self.report(verdict, records, stacks, killed, note))
             store.set("reported", str(self.rank))
@@ -237,10 +238,12 @@ class StallWatch:
             return
         host = [record for record in self.last_records if record and record["rank"] == 0]
         state = process_state(host[0]["pid"]) if host and host[0]["host"] == self._identity["host"] else "?"
+        # Written before a stopped rank 0 is killed: this rank's main thread still waits in its collective.
+        note = self._checkpoint_note(None, state in ("T", "gone", "Z"))
         if state == "T":
             os.kill(host[0]["pid"], signal.SIGKILL)
         _write(f"custom_ddp stall: rank {self.rank}: the job's store has not answered for "
                f"{now - self._store_failing_since:.0f} s ({type(error).__name__}): its host (rank 0 under Lightning's "
                f"launcher, torchrun's agent otherwise) is stopped, frozen or gone (rank 0 process state: {state}"
-               f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {self._checkpoint_note(None)}")
+               f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {note}")
         self._exit(STALL_EXIT_STATUS)

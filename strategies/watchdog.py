@@ -12,8 +12,8 @@ whether optimizer state is sharded, and it never reads the strategy back. While 
   and optimizer step: the markers :mod:`strategies.stall_watch` reads;
 - on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
   exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first;
-- on rank 0, writes the checkpoint of the last completed optimizer step when a stall or a peer's
-  failure ends the job (:mod:`strategies.last_checkpoint`).
+- on rank 0 (on rank 1 when rank 0 is the rank lost), writes the checkpoint of the last completed
+  optimizer step when a stall or a peer's failure ends the job (:mod:`strategies.last_checkpoint`).
 
 ``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
 """
@@ -54,7 +54,12 @@ class Watchdog(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._environment: Optional[ClusterEnvironment] = None
         self._stages = 0
-        self.last_checkpoint = LastCheckpoint()  # what rank 0 writes when a stall or a failure ends the job
+        self.last_checkpoint = LastCheckpoint()  # what rank 0 (or 1) writes when a stall or a failure ends the job
+
+    @property
+    def writes_for_lost_rank0(self) -> bool:
+        """Rank 1 is writing the last checkpoint (rank 0 is lost): the strategy's save must write on it."""
+        return self.last_checkpoint.for_lost_rank0
 
     @property
     def ending(self) -> bool:
@@ -124,11 +129,15 @@ class Watchdog(Callback):
         if self._watch is not None:
             self._watch.on_store_error(error)
 
-    def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None) -> str:
-        """Write the last checkpoint if this rank can (:mod:`strategies.last_checkpoint`); the report's line."""
+    def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None, rank0_lost: bool = False) -> str:
+        """Write the last checkpoint if this rank can (:mod:`strategies.last_checkpoint`); the report's line.
+        ``own_record``: this rank's heartbeat record now (``None``: read it here)."""
+        heartbeat = self._heartbeat
+        if own_record is None and heartbeat is not None:
+            own_record = heartbeat.record()
         # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
         parked = own_record is not None and bool(own_record.get("collective")) and not own_record.get("busy")
-        return self.last_checkpoint.note(self._trainer, parked)
+        return self.last_checkpoint.note(self._trainer, parked, rank0_lost)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,10 +242,12 @@ class Watchdog(Callback):
         write_exit_record(heartbeat.store, trainer.global_rank, exception, self.progress.where)
         if not is_peer_loss(exception) or self._watch is None:
             return
-        lines = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
-                            heartbeat.identity["host"])
-        if trainer.is_global_zero:
-            lines.append(f"custom_ddp: {self.last_checkpoint.save(trainer)}")
+        causes = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
+                             heartbeat.identity["host"])
+        rank0_lost = 0 in causes.lost
+        lines = list(causes.lines)
+        if trainer.global_rank == (1 if rank0_lost else 0):
+            lines.append(f"custom_ddp: {self.last_checkpoint.save(trainer, rank0_lost)}")
         for line in lines:
             exception.add_note(line)
             log.error("%s", line)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -37,24 +38,27 @@ class BlockingStore:
         raise ValueError(f"no key {key}")
 
 
-def _host(port, ready) -> None:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port.value = server.port
-    ready.set()
-    time.sleep(600)
+_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+print(server.port, flush=True)
+time.sleep(600)
+"""
 
 
 @pytest.fixture
 def store_host():
-    """A TCP store hosted by another process (as rank 0 hosts it under Lightning's launchers)."""
-    context = mp.get_context("fork")
-    port, ready = context.Value("i", 0), context.Event()
-    host = context.Process(target=_host, args=(port, ready), daemon=True)
-    host.start()
-    assert ready.wait(10)
-    yield port.value, host
+    """A TCP store hosted by another process (as rank 0 hosts it under Lightning's launchers).
+
+    A new interpreter, not a fork: a test leaves a client thread stuck in a call to the stopped host,
+    and a fork while it is inside c10d's client could copy a held lock into the child."""
+    host = subprocess.Popen([sys.executable, "-c", _HOST], stdout=subprocess.PIPE, text=True)
+    port = int(host.stdout.readline())
+    yield port, host
     host.kill()
-    host.join()
+    host.wait()
 
 
 def test_operations_pass_through_to_a_healthy_store() -> None:

@@ -127,8 +127,13 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
     exits: list[int] = []
     stores = [connect_store("127.0.0.1", store_host.port, "job/") for _ in range(2)]
     clock = [0.0]
+    notes: list[tuple[int, bool]] = []
+
+    def note(rank: int):
+        return lambda record, rank0_lost: notes.append((rank, rank0_lost)) or "newest checkpoint: none"
+
     watches = [StallWatch(rank, 2, STALL, {"rank": rank, "pid": 10 + rank, "host": "other"}, lambda: "  File x",
-                          lambda record: "newest checkpoint: none", exit=exits.append, clock=lambda: clock[0])
+                          note(rank), exit=exits.append, clock=lambda: clock[0])
                for rank in range(2)]
     records = [_record(0, collective="all_gather(float32[17]) from SyncBN forward"), _record(1)]
     for watch, store in zip(watches, stores):
@@ -142,19 +147,22 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
     assert exits == [STALL_EXIT_STATUS, STALL_EXIT_STATUS]
     report = capfd.readouterr().err
     assert report.count("custom_ddp stall:") == 1 and "STALLED rank 1" in report and "File x" in report
+    assert notes == [(0, False)]  # only the reporter writes, and rank 0 is not the rank lost
 
 
 def test_a_store_silent_for_stall_timeout_ends_the_rank_counted_from_the_unanswered_call(capfd) -> None:
     """The first StoreUnanswered comes STORE_OP_S after the call was sent: the silence counts from the send."""
     exits: list[int] = []
-    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "", lambda record: "no checkpoint",
+    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "",
+                       lambda record, rank0_lost: "no checkpoint",
                        exit=exits.append)
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL + 5.0))
     assert exits == []
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))  # still the same silence
     assert exits == []  # the silence began at the first error's send time: 5 s short of stall_timeout
     time.sleep(0.01)
-    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "", lambda record: "no checkpoint",
+    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "",
+                       lambda record, rank0_lost: "no checkpoint",
                        exit=exits.append)
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))
     assert exits == [STALL_EXIT_STATUS]
@@ -164,17 +172,39 @@ def test_a_store_silent_for_stall_timeout_ends_the_rank_counted_from_the_unanswe
 def test_survivors_name_the_rank_that_raised_and_one_killed_without_a_word(store_host) -> None:
     store = connect_store("127.0.0.1", store_host.port, "job/")
     write_exit_record(store, 1, RuntimeError("injected fault"), {"stage": "train", "epoch": 1, "step": 15})
-    lines = peer_causes(store, 0, [None, None], "h", wait_s=0.1)
-    assert lines == ["custom_ddp: rank 1 ended first: RuntimeError: injected fault at stage train epoch 1 step 15"]
+    causes = peer_causes(store, 0, [None, None], "h", wait_s=0.1)
+    expected = "custom_ddp: rank 1 ended first: RuntimeError: injected fault at stage train epoch 1 step 15"
+    assert causes.lines == [expected]
+    assert causes.lost == {1}
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     heartbeat = {**_record(1), "pid": gone.pid, "host": "h"}
     started = time.monotonic()
-    lines = peer_causes(connect_store("127.0.0.1", store_host.port, "other/"), 0, [None, heartbeat], "h", wait_s=5.0)
-    assert len(lines) == 1 and "rank 1" in lines[0] and "without a word" in lines[0]
+    lines, lost = peer_causes(connect_store("127.0.0.1", store_host.port, "other/"), 0, [None, heartbeat], "h",
+                              wait_s=5.0)
+    assert len(lines) == 1 and "rank 1" in lines[0] and "without a word" in lines[0] and lost == {1}
     # No wait for a record a dead process cannot write: Lightning's popen launcher SIGKILLs every rank
     # within 5 s of a child's failure, and rank 0 still has its last checkpoint to write.
     assert time.monotonic() - started < 1.0
+
+
+class GoneStore:
+    """The store of a job whose host (rank 0 under Lightning's launcher) has died."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_rank_0_counts_as_lost_when_the_store_went_with_its_process() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rank0 = {**_record(0), "pid": gone.pid, "host": "h"}
+    lines, lost = peer_causes(GoneStore(), 1, [rank0, _record(1)], "h", wait_s=0.1)  # type: ignore[arg-type]
+    assert lost == {0} and "the job's store is gone with its host" in lines[0]
+    alive = {**rank0, "pid": os.getpid()}  # a store that fails while rank 0 lives: nobody but rank 0 writes
+    assert peer_causes(GoneStore(), 1, [alive, _record(1)], "h", wait_s=0.1).lost == set()  # type: ignore[arg-type]
+    elsewhere = {**rank0, "host": "another machine"}  # its process cannot be seen from here
+    assert peer_causes(GoneStore(), 1, [elsewhere, _record(1)], "h", wait_s=0.1).lost == set()  # type: ignore[arg-type]
 
 
 def test_peer_loss_errors_are_recognised() -> None:
@@ -210,13 +240,17 @@ def test_ckpt_path_last_pins_the_version_with_the_newest_last_checkpoint(tmp_pat
 
 def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() -> None:
     def trainer(**changes) -> SimpleNamespace:
-        fields = {"is_global_zero": True, "state": SimpleNamespace(fn=TrainerFn.FITTING), "sanity_checking": False,
-                  "global_step": 15}
+        fields = {"is_global_zero": True, "global_rank": 0, "state": SimpleNamespace(fn=TrainerFn.FITTING),
+                  "sanity_checking": False, "global_step": 15}
         return SimpleNamespace(**{**fields, **changes})
 
     last = LastCheckpoint()
     assert last.cannot_save(trainer()) is None
-    assert "only rank 0" in last.cannot_save(trainer(is_global_zero=False))
+    rank1, rank2 = trainer(is_global_zero=False, global_rank=1), trainer(is_global_zero=False, global_rank=2)
+    assert "only rank 0 writes checkpoints (rank 1 when rank 0 is lost)" in last.cannot_save(rank1)
+    assert last.cannot_save(rank1, rank0_lost=True) is None  # rank 1 holds what rank 0 held: it writes instead
+    assert "only rank 0" in last.cannot_save(rank2, rank0_lost=True) and "only rank 0" in last.cannot_save(rank2)
+    assert "only rank 0" in last.cannot_save(trainer(), rank0_lost=True)  # never both
     assert "zero1" in LastCheckpoint(zero1=True).cannot_save(trainer())  # attach() passes the strategy's option
     assert "validate" in last.cannot_save(trainer(state=SimpleNamespace(fn=TrainerFn.VALIDATING)))
     last.updating = True  # on_before_optimizer_step
@@ -247,7 +281,7 @@ def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> Non
     """Buffers and batch counters of the accumulation window's first micro-batch (accumulate 3 here)."""
     module = nn.BatchNorm1d(3)
     progress = _BatchProgress()
-    trainer = SimpleNamespace(is_global_zero=True, global_step=4, current_epoch=1,
+    trainer = SimpleNamespace(is_global_zero=True, global_rank=0, global_step=4, current_epoch=1,
                               fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
     last = LastCheckpoint()
     for steps in (False, False, True):  # a whole window: its step done, no window open
@@ -281,7 +315,7 @@ def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> Non
 
 def test_the_last_checkpoint_needs_the_batch_counters_where_lightning_keeps_them() -> None:
     module = nn.BatchNorm1d(3)
-    trainer = SimpleNamespace(is_global_zero=True, global_step=0, current_epoch=0,
+    trainer = SimpleNamespace(is_global_zero=True, global_rank=0, global_step=0, current_epoch=0,
                               fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_BatchProgress())))
     last = LastCheckpoint()
     last.batch_started(trainer, module)
