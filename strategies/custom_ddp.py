@@ -192,7 +192,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._watchdog.writes_for_lost_rank0:  # rank 1's last checkpoint of a job that lost rank 0
+        if self._watchdog.writing_last_checkpoint and not self.is_global_zero:  # rank 1's, rank 0 being lost
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)

@@ -70,9 +70,18 @@ class LastCheckpoint:
         self.saved_step: Optional[int] = None  # global step of the newest checkpoint written
         self.updating = False  # between on_before_optimizer_step and the batch end: weights half updated
         self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
-        self.for_lost_rank0 = False  # rank 1 is writing it: the strategy's save must write on this rank too
         self._window: Optional[_Window] = None  # inside an accumulation window only (a batch without one)
         self._writing = False
+
+    @property
+    def writing(self) -> bool:
+        """This rank is writing it now (on rank 1, the strategy's save must write too)."""
+        return self._writing
+
+    @staticmethod
+    def writer(rank0_lost: bool) -> int:
+        """The rank that writes it: rank 0, or rank 1 when rank 0 is the rank lost."""
+        return 1 if rank0_lost else 0
 
     # ------------------------------------------------------------- training hooks (from the watchdog)
 
@@ -133,7 +142,6 @@ class LastCheckpoint:
             return self._newest_note(trainer, why)
         path = stop_checkpoint_path(trainer)
         self.ending = self._writing = True
-        self.for_lost_rank0 = not trainer.is_global_zero
         try:
             if os.path.islink(path):
                 os.remove(path)  # save_last="link": write a file, not through the link
@@ -141,13 +149,13 @@ class LastCheckpoint:
         except Exception as error:  # noqa: BLE001 - the job ends either way; say what happened
             return self._newest_note(trainer, f"writing {path} failed: {type(error).__name__}: {error}")
         finally:
-            self._writing = self.for_lost_rank0 = False
+            self._writing = False
         writer = "rank 0" if trainer.is_global_zero else f"rank {trainer.global_rank}, rank 0 being lost"
         return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by {writer}: {path} "
                 f"(resume: --ckpt_path {path} or --ckpt_path last)")
 
     def cannot_save(self, trainer: Any, rank0_lost: bool = False) -> Optional[str]:
-        if trainer.global_rank != (1 if rank0_lost else 0):
+        if trainer.global_rank != self.writer(rank0_lost):
             return ("only rank 0 writes checkpoints (rank 1 when rank 0 is lost) and it is not among the healthy "
                     "ranks")
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:

@@ -57,9 +57,9 @@ class Watchdog(Callback):
         self.last_checkpoint = LastCheckpoint()  # what rank 0 (or 1) writes when a stall or a failure ends the job
 
     @property
-    def writes_for_lost_rank0(self) -> bool:
-        """Rank 1 is writing the last checkpoint (rank 0 is lost): the strategy's save must write on it."""
-        return self.last_checkpoint.for_lost_rank0
+    def writing_last_checkpoint(self) -> bool:
+        """This rank is writing the last checkpoint (on rank 1, rank 0 being lost, the strategy's save must write)."""
+        return self.last_checkpoint.writing
 
     @property
     def ending(self) -> bool:
@@ -246,7 +246,7 @@ class Watchdog(Callback):
                              heartbeat.identity["host"])
         rank0_lost = 0 in causes.lost
         lines = list(causes.lines)
-        if trainer.global_rank == (1 if rank0_lost else 0):
+        if trainer.global_rank == self.last_checkpoint.writer(rank0_lost):
             lines.append(f"custom_ddp: {self.last_checkpoint.save(trainer, rank0_lost)}")
         for line in lines:
             exception.add_note(line)
