@@ -6,7 +6,8 @@ while fitting (:mod:`strategies.layer_sync`); :class:`parallel.grad_sync.SyncedD
 torch DDP (no collective on accumulating micro-batches, averaged gradients when backward returns,
 rank 0's buffers before each training forward; ZeRO-1 in :mod:`strategies.zero1`); each evaluation
 sample once with exact metrics (:mod:`strategies.scatter_eval`, :mod:`strategies.uneven_gathers`);
-a fit resumed mid-epoch trains only the batches not yet trained (:mod:`strategies.exact_resume`);
+a fit resumed mid-epoch trains only the batches not yet trained, with the interrupted fit's random
+generators (:mod:`strategies.exact_resume`, :mod:`strategies.resume_rng`);
 signals stop every rank at one step (:mod:`strategies.preemption`); a stalled or failed rank ends
 the job with a diagnosis (:mod:`strategies.watchdog`). Options: :class:`strategies.options.CustomDDPOptions`.
 Private Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: the README.
@@ -74,7 +75,8 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         desync_check: Check every collective's fingerprint across ranks; a mismatch ends the run naming both sides.
         broadcast_buffers: Rank 0's buffers on every rank before each training forward (as torch DDP's).
         stall_timeout: Seconds without progress on a rank before every rank ends (exit 75); ``None``: never.
-        exact_resume: A fit resumed mid-epoch trains only the batches the interrupted epoch had not.
+        exact_resume: A fit resumed mid-epoch trains only the batches the interrupted epoch had not, and every
+            checkpoint saved while fitting holds every rank's random generators, restored on resuming.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum. Details per option: the README's option table.
@@ -195,6 +197,8 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         if self._watchdog.writing_last_checkpoint and not self.is_global_zero:  # rank 1's, rank 0 being lost
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        if not self._watchdog.ending:  # every rank saves; a last checkpoint's writer has no peer left to ask
+            self.save_rng_states(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

@@ -10,17 +10,20 @@ around a :class:`~parallel.resume_sampler.ResumeSampler` whose first pass leaves
 loop counts as done, in the resumed epoch's order. How many, and which epoch, are read when that pass
 begins, from the restored loop: a module whose ``configure_optimizers`` asks for
 ``trainer.estimated_stepping_batches`` (a OneCycle schedule) makes Lightning set the loader up, and
-make its iterator, before it restores the checkpoint; with workers, that iterator draws indices at
-once, so at ``on_train_start`` (after the restore) such a pass is rewound and the loop's iterator made
-anew (``FitLoop._data_fetcher``, a private name listed in :mod:`strategies.lightning_seams`). The first
+make its iterator, before it restores the checkpoint, and a fit resumed from an epoch's end makes it
+before it counts that epoch done; with workers, that iterator draws indices at once, in the wrong
+epoch's order (``ddp`` then trains the finished epoch's order again), so at ``on_train_start`` (after
+the restore) such a pass is rewound and the loop's iterator made anew (``FitLoop._data_fetcher``, a
+private name listed in :mod:`strategies.lightning_seams`). The first
 training batch then checks that the loop resumed at that batch index; a Lightning whose restart
 bookkeeping moved raises there instead of silently training batches twice.
 
 It applies to a torch ``DataLoader`` (not a subclass) over a map-style dataset, batched by torch's
 ``BatchSampler``, whose sampler repeats its order in the resumed run: the ``DistributedSampler``
 Lightning injects (its order is a function of seed and epoch) or a ``SequentialSampler``. Any other
-loader starts the epoch over as under ``ddp``, with a warning at the first batch. Random number
-generators are not restored: the resumed epoch sees the same samples, not the same random draws.
+loader starts the epoch over as under ``ddp``, with a warning at the first batch. The resumed epoch
+also draws the same random numbers: every checkpoint saved while fitting holds every rank's generators,
+restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
+from parallel.rng_state import RngState, set_rng_state
 from strategies.loaders import index_batching, with_sampler
+from strategies.resume_rng import add_rng_states, redraw_base_seeds, rng_state_to_restore
 
 __all__ = ["ExactResume", "batches_done"]
 
@@ -50,6 +55,13 @@ def batches_done(progress: Any) -> int:
     # counted completed, and the restarted loop counts it done (Lightning's RESTARTED_ON_TRAIN_BATCH_END).
     at_batch_end = total.ready == total.started == total.processed == total.completed + 1
     return progress.current.completed + int(at_batch_end)
+
+
+def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
+    """The restored loop goes on inside an epoch, not at an epoch's start (ask after the restore)."""
+    loop = trainer.fit_loop
+    done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
+    return 0 < done < trainer.num_training_batches
 
 
 def _epoch_batches(length: int, limit: int | float) -> int:
@@ -76,6 +88,7 @@ class _Resume:
         self._trainer, self._length, self._batch_size, self.reason = trainer, length, batch_size, reason
         self.done: Optional[int] = None  # batches of the epoch the first pass left out (None: not begun)
         self.restored = False  # whether the loop's state had been restored when the first pass began
+        self.pass_epoch: Optional[int] = None  # the epoch whose order the first pass took
         self.sampler: Optional[ResumeSampler] = None
 
     def epoch(self) -> int:
@@ -86,13 +99,15 @@ class _Resume:
         return self._trainer.fit_loop.epoch_loop.batch_progress.total.ready > 0
 
     def began_too_early(self) -> bool:
-        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet)."""
-        return self.done is not None and not self.restored and self._loaded()
+        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet), or
+        in the epoch before (from an epoch's end, Lightning makes the iterator before it counts the epoch done)."""
+        return self.done is not None and ((not self.restored and self._loaded())
+                                          or self.pass_epoch != self._trainer.current_epoch)
 
     def first_pass_skip(self) -> int:
         """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
         loop = self._trainer.fit_loop
-        self.restored = self._loaded()
+        self.restored, self.pass_epoch = self._loaded(), self._trainer.current_epoch
         done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
         self.done = done if 0 < done < _epoch_batches(self._length, self._trainer.limit_train_batches) else 0
         if self.done:
@@ -124,15 +139,35 @@ class ExactResume:
 
     options: Any  # the strategy's CustomDDPOptions
     lightning_module: Optional[pl.LightningModule]
+    global_rank: int
+    world_size: int
     _resumes: tuple[_Resume, ...] = ()  # this resumed fit's training loaders, until its first batch
+    _rng_state: Optional[RngState] = None  # this rank's generators from the resumed checkpoint, until on_train_start
+
+    def _fitting_trainer(self) -> Optional[pl.Trainer]:
+        """The trainer when this call fits and resumes exactly (``None`` otherwise)."""
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        return trainer if self.options.exact_resume and trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+            else None
+
+    def save_rng_states(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's generators into ``checkpoint`` while fitting; call from the save every rank makes."""
+        if self._fitting_trainer() is not None:
+            add_rng_states(checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        if self._fitting_trainer() is not None:
+            self._rng_state = rng_state_to_restore(checkpoint, self.global_rank, self.world_size)
+        return checkpoint
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        module = self.lightning_module
-        trainer = None if module is None else module._trainer
-        if (not self.options.exact_resume or trainer is None or trainer.state.fn != TrainerFn.FITTING
-                or trainer.state.stage != RunningStage.TRAINING or not trainer.ckpt_path):
+        trainer = self._fitting_trainer()
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not trainer.ckpt_path:
             return dataloader
         reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
         if reason is not None:
@@ -144,6 +179,15 @@ class ExactResume:
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", _FALLBACK)
 
+    def _restore_rng(self) -> None:
+        state, self._rng_state = self._rng_state, None
+        if state is None:
+            return
+        set_rng_state(state)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if not _resumes_mid_epoch(trainer):  # the interrupted fit made the next epoch's iterator after the checkpoint
+            redraw_base_seeds(trainer.train_dataloader)
+
     @override
     def on_train_start(self) -> None:
         # After the restore, before the first batch: a pass begun too early (by workers drawing indices when
@@ -153,6 +197,7 @@ class ExactResume:
             resume.sampler.rewind()  # type: ignore[union-attr]
         if early:
             iter(self.lightning_module.trainer.fit_loop._data_fetcher)  # type: ignore[union-attr]
+        self._restore_rng()  # after every iterator of the resumed epoch is made (their draws came before the checkpoint)
         super().on_train_start()  # type: ignore[misc]
 
     @override
@@ -164,5 +209,5 @@ class ExactResume:
 
     @override
     def teardown(self) -> None:
-        self._resumes = ()  # a fit that never reached a training batch
+        self._resumes, self._rng_state = (), None  # a fit that never reached a training batch
         super().teardown()  # type: ignore[misc]

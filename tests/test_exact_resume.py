@@ -66,11 +66,13 @@ class Recorder(pl.LightningModule):
         torch.save({"state": state, "seen": self.seen}, self.out / f"rank{self.global_rank}.pt")
 
 
-def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None,
-         module: type[Recorder] | None = None) -> list[dict[str, Any]]:
+def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None, module: type[Recorder] | None = None,
+         by_epoch: bool = False) -> list[dict[str, Any]]:
+    """A fit that checkpoints every 2 optimizer steps (``step=S.ckpt``), or at each epoch's end (``epoch=E.ckpt``)."""
     out.mkdir(parents=True)
     pl.seed_everything(0, verbose=False)
-    checkpoints = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    every = {"filename": "{epoch}", "every_n_epochs": 1} if by_epoch else {"filename": "{step}", "every_n_train_steps": 2}
+    checkpoints = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, **every)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
                          accumulate_grad_batches=ACCUMULATE, callbacks=[checkpoints], enable_progress_bar=False,
                          enable_model_summary=False)
@@ -140,6 +142,22 @@ def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise
         assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
         for name, value in truth[rank]["state"].items():
             assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+
+
+@pytest.mark.distributed
+def test_a_fit_resumed_from_an_epochs_end_with_workers_trains_the_next_epochs_order(tmp_path: Path) -> None:
+    """Lightning makes the resumed fit's iterator before it counts the finished epoch done; workers draw its
+    indices at once, in the finished epoch's order (``ddp`` trains that order again, checked too)."""
+    truth = _fit(_custom(), tmp_path / "full", module=Workers, by_epoch=True)
+    checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
+    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Workers, by_epoch=True)
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint, Workers,
+               by_epoch=True)
+    for rank in range(2):
+        assert resumed[rank]["seen"] == {key: value for key, value in truth[rank]["seen"].items() if key[0] == 1}
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
 
 
 @pytest.mark.distributed

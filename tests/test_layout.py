@@ -34,7 +34,7 @@ def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
         "parallel.buckets", "parallel.buffer_sync", "parallel.dist_utils", "parallel.eval_sharding",
         "parallel.grad_sync", "parallel.host_reduce", "parallel.metric_sync", "parallel.reducer",
-        "parallel.resume_sampler", "parallel.shm_barrier", "parallel.sparse_grads", "parallel.sync_config",
+        "parallel.resume_sampler", "parallel.rng_state", "parallel.shm_barrier", "parallel.sparse_grads", "parallel.sync_config",
         "parallel.syncbn",
         "parallel.syncbn_function", "parallel.syncbn_kernels", "parallel.uneven_gather", "parallel.zero",
     ]

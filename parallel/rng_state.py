@@ -1,0 +1,60 @@
+"""A rank's random generators as one checkpointable value, and every rank's gathered into one list.
+
+A training step draws from generators it never names: dropout and ``torch.randn`` from torch's
+default generators (the CPU one, and one per CUDA device once CUDA is in use), ``np.random.*``
+from NumPy's legacy global generator, ``random.*`` from Python's. These are the ones Lightning's
+``seed_everything`` seeds, and the ones a resumed run must continue for its draws to be the
+uninterrupted run's. Generators a program owns (a ``torch.Generator``, ``np.random.default_rng()``)
+are its own to checkpoint, as anywhere in PyTorch.
+
+The value holds tensors, ints, strings and tuples only, so a checkpoint holding it loads with
+``torch.load(weights_only=True)`` (torch's default, and Lightning's when resuming): NumPy's key
+array travels as a tensor.
+
+    states = gather_rng_states()    # every rank, collectively: [rank 0's, rank 1's, ...]
+    set_rng_state(states[rank])     # later, on the same rank of a run with as many ranks
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["RngState", "gather_rng_states", "rng_state", "set_rng_state"]
+
+RngState = dict[str, Any]
+
+
+def rng_state() -> RngState:
+    """This process's default generators: Python's, NumPy's global one, torch's CPU and (in use) CUDA ones."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state: RngState = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gaussian)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # asking would otherwise start CUDA
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: RngState) -> None:
+    """Make this process's default generators continue from ``state`` (a :func:`rng_state` value)."""
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for device, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, device)
+
+
+def gather_rng_states(group: Optional[dist.ProcessGroup] = None) -> list[RngState]:
+    """Every rank's :func:`rng_state`, indexed by rank in ``group``; a collective (every rank calls it)."""
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, rng_state(), group=group)
+    return states

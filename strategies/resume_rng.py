@@ -1,0 +1,77 @@
+"""A resumed fit draws the random numbers the interrupted one would have drawn (``exact_resume``).
+
+:mod:`strategies.exact_resume` makes a resumed fit train exactly the batches the interrupted one had
+not; this module makes it draw the same random numbers for them (dropout masks, ``torch.randn``
+noise, ``np.random`` and ``random`` calls, random transforms run in the main process), so a fit
+resumed from a checkpoint ends bitwise as the uninterrupted one. ``ddp`` saves no generator: its
+resumed fits draw from the restart's seed.
+
+- **Saved** in every checkpoint written while fitting with every rank present (``ModelCheckpoint``,
+  a signal's stop checkpoint, ``trainer.save_checkpoint``): every rank's generators
+  (:mod:`parallel.rng_state`: Python's, NumPy's global one, torch's CPU and CUDA ones), gathered by
+  one ``all_gather_object`` inside the save that every rank makes, under :data:`CHECKPOINT_KEY`.
+  The watchdog's last checkpoint, written after a rank was lost, holds none: nobody can read a lost
+  rank's generators.
+- **Restored** on every rank at ``on_train_start`` of a fit resumed on as many ranks: after
+  everything Lightning restores, before the first batch. By then Lightning has made the resumed
+  epoch's training iterator, which draws its workers' base seed (one int64, made by every
+  ``DataLoader`` iterator, workers or not) from torch's generator. The interrupted fit drew that
+  number before a mid-epoch checkpoint, so nothing more is needed there; a checkpoint from an epoch's
+  end came before the next epoch's iterator, so after restoring, that draw is made again
+  (:func:`redraw_base_seeds`) and the resumed fit's next draw is the interrupted fit's.
+- **Not restored**: draws in ``DataLoader`` workers (each worker's generator is seeded from that base
+  seed, drawn before the restore), draws a module makes in ``on_train_epoch_start`` of the resumed
+  epoch (Lightning calls it on resuming after the restore, not where the interrupted fit called it),
+  and generators a program owns. A checkpoint without states (another strategy's, a last
+  checkpoint, ``exact_resume=False``) or from another number of ranks resumes with this run's
+  generators and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from parallel.rng_state import RngState, gather_rng_states
+
+__all__ = ["CHECKPOINT_KEY", "add_rng_states", "redraw_base_seeds", "rng_state_to_restore"]
+
+CHECKPOINT_KEY = "custom_ddp_rng_states"  # a list: rank r's generators at index r
+
+
+def add_rng_states(checkpoint: dict[str, Any]) -> None:
+    """Every rank's generators into ``checkpoint``; a collective: every rank's save calls it."""
+    checkpoint[CHECKPOINT_KEY] = gather_rng_states()
+
+
+def rng_state_to_restore(checkpoint: dict[str, Any], rank: int, world_size: int) -> Optional[RngState]:
+    """This rank's generators from a resumed checkpoint, or ``None`` (logged) when it cannot have them."""
+    states = checkpoint.get(CHECKPOINT_KEY)
+    if states is None:
+        rank_zero_info("custom_ddp: the checkpoint holds no random generator states (written by another strategy, "
+                       "after a rank was lost, or with exact_resume=False): the resumed fit draws from this run's "
+                       "generators, not the interrupted fit's")
+        return None
+    if len(states) != world_size:
+        rank_zero_warn(f"custom_ddp: the checkpoint holds the random generators of {len(states)} ranks, this fit "
+                       f"runs on {world_size}: they are not restored, and the resumed fit's random draws differ "
+                       "from the interrupted fit's")
+        return None
+    return states[rank]
+
+
+def redraw_base_seeds(iterables: Any) -> None:
+    """Draw from torch's generator what making an iterator of each ``DataLoader`` in ``iterables`` draws
+    (the trainer's ``train_dataloader``: a loader, or a list or dict of them). A loader with a
+    generator of its own draws from that one instead."""
+    if isinstance(iterables, Mapping):
+        iterables = list(iterables.values())
+    for loader in iterables if isinstance(iterables, (list, tuple)) else [iterables]:
+        if isinstance(loader, (Mapping, list, tuple)):
+            redraw_base_seeds(loader)
+        elif isinstance(loader, DataLoader) and loader.generator is None:
+            torch.empty((), dtype=torch.int64).random_()  # as torch.utils.data's _BaseDataLoaderIter

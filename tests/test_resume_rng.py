@@ -1,0 +1,163 @@
+"""A resumed fit draws the interrupted fit's random numbers (strategies.resume_rng, parallel.rng_state).
+
+The module draws from every default generator in its training step (dropout and ``torch.randn``,
+``np.random``, ``random``), each rank from its own streams, and its dataset adds noise when a sample
+is read (in the main process; in workers it reads without noise: worker draws are not restored). The truth is the uninterrupted fit with the same
+strategy; a resume under Lightning's ``ddp`` (which saves no generator) shows that the check can fail.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from parallel.rng_state import rng_state, set_rng_state
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
+
+SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
+
+
+class Noisy(Dataset):
+    """Fixed samples; with ``noise``, each read adds a fresh draw of torch's generator (a random transform)."""
+
+    def __init__(self, noise: bool) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(SAMPLES, 5, generator=generator), torch.randn(SAMPLES, 2, generator=generator)
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + (0.1 * torch.randn(5) if self.noise else 0.0), self.y[index]
+
+
+class Stochastic(pl.LightningModule):
+    """Dropout, input noise and NumPy/Python scale factors in every training step; validated every epoch
+    (so the epoch-end checkpoint is written at the validation's end)."""
+
+    def __init__(self, out: Path, workers: int, noise: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        self.out, self.workers, self.noise = out, workers, noise
+
+    def setup(self, stage: str) -> None:
+        pl.seed_everything(100 + self.global_rank, verbose=False)  # each rank its own streams: a mix-up shows
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        scale = 1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random()
+        return scale * nn.functional.mse_loss(self.net(x + 0.1 * torch.randn_like(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Noisy(self.noise), batch_size=BATCH, shuffle=True, num_workers=self.workers)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # its loader's iterator draws a base seed too
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Noisy(False), batch_size=BATCH)
+
+    def on_fit_end(self) -> None:
+        state = {name: value.detach().clone() for name, value in self.state_dict().items()}
+        torch.save(state, self.out / f"rank{self.global_rank}.pt")
+
+
+def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None) -> list[dict]:
+    out.mkdir(parents=True)
+    checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
+                   ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
+                         accumulate_grad_batches=ACCUMULATE, callbacks=checkpoints, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Stochastic(out, workers, noise), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def _custom() -> CustomDDPStrategy:
+    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+
+
+def _same(resumed: list[dict], truth: list[dict]) -> bool:
+    return all(torch.equal(resumed[rank][name], value) for rank in range(2) for name, value in truth[rank].items())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    runs: dict[tuple[int, bool], tuple[Path, list[dict]]] = {}
+
+    def run(workers: int, noise: bool) -> tuple[Path, list[dict]]:
+        if (workers, noise) not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted_w{workers}_{noise}") / "run"
+            runs[(workers, noise)] = out, _fit(_custom(), out, workers, noise)
+        return runs[(workers, noise)]
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers, noise, checkpoint", [
+    (0, True, "step=2.ckpt"),  # mid-epoch 0: the sample noise drawn in the main process repeats too
+    (0, True, "epoch=0.ckpt"),  # the next epoch's iterator drew its base seed after the checkpoint
+    (1, False, "step=4.ckpt"),  # mid-epoch 1, a worker: its base seed drawn before the checkpoint
+    (1, False, "epoch=0.ckpt"),
+], ids=["main_mid_epoch", "main_epoch_end", "worker_mid_epoch", "worker_epoch_end"])
+def test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_and_ends_bitwise(
+        tmp_path: Path, uninterrupted: Any, workers: int, noise: bool, checkpoint: str) -> None:
+    out, truth = uninterrupted(workers, noise)
+    resumed = _fit(_custom(), tmp_path / "resumed", workers, noise, out / "ckpt" / checkpoint)
+    assert _same(resumed, truth)
+
+
+@pytest.mark.distributed
+def test_ddp_resumes_with_the_restarts_generators(tmp_path: Path, uninterrupted: Any) -> None:
+    """What the test above would catch: the same checkpoint's batches, other random draws."""
+    out, truth = uninterrupted(0, True)
+    ddp = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    assert not _same(_fit(ddp, tmp_path / "ddp", 0, True, out / "ckpt" / "epoch=0.ckpt"), truth)
+
+
+def test_rng_state_round_trips_every_default_generator_and_loads_weights_only(tmp_path: Path) -> None:
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    np.random.randn()  # a cached Gaussian is part of NumPy's state
+    state = rng_state()
+    expected = (torch.rand(3), np.random.rand(3), np.random.randn(), random.random())
+    torch.save({CHECKPOINT_KEY: [state]}, tmp_path / "ckpt")
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    set_rng_state(torch.load(tmp_path / "ckpt", weights_only=True)[CHECKPOINT_KEY][0])
+    again = (torch.rand(3), np.random.rand(3), np.random.randn(), random.random())
+    assert torch.equal(again[0], expected[0]) and np.array_equal(again[1], expected[1]) and again[2:] == expected[2:]
+
+
+def test_a_checkpoint_without_states_or_from_other_ranks_is_not_restored(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO"):
+        assert rng_state_to_restore({}, rank=0, world_size=2) is None
+    assert "holds no random generator states" in caplog.text
+    with pytest.warns(UserWarning, match="random generators of 3 ranks, this fit runs on 2"):
+        assert rng_state_to_restore({CHECKPOINT_KEY: [{}, {}, {}]}, rank=0, world_size=2) is None
+    assert rng_state_to_restore({CHECKPOINT_KEY: ["r0", "r1"]}, rank=1, world_size=2) == "r1"
+
+
+def test_redraw_base_seeds_draws_what_making_each_loaders_iterator_draws() -> None:
+    torch.manual_seed(5)
+    iter(DataLoader(range(4))), iter(DataLoader(range(4)))
+    expected = torch.rand(2)
+    torch.manual_seed(5)
+    own = torch.Generator().manual_seed(0)  # a loader with its own generator draws from that one
+    redraw_base_seeds({"a": DataLoader(range(4)), "b": [DataLoader(range(2)), DataLoader(range(2), generator=own)]})
+    assert torch.equal(torch.rand(2), expected)
