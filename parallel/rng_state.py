@@ -1,7 +1,7 @@
 """A rank's random generators as one checkpointable value, and every rank's gathered into one list.
 
 A training step draws from generators it never names: dropout and ``torch.randn`` from torch's
-default generators (the CPU one, and one per CUDA device once CUDA is in use), ``np.random.*``
+default generators (the CPU one, and the current CUDA device's once CUDA is in use), ``np.random.*``
 from NumPy's legacy global generator, ``random.*`` from Python's. These are the ones Lightning's
 ``seed_everything`` seeds, and the ones a resumed run must continue for its draws to be the
 uninterrupted run's. Generators a program owns (a ``torch.Generator``, ``np.random.default_rng()``)
@@ -30,7 +30,8 @@ RngState = dict[str, Any]
 
 
 def rng_state() -> RngState:
-    """This process's default generators: Python's, NumPy's global one, torch's CPU and (in use) CUDA ones."""
+    """This process's default generators: Python's, NumPy's global one, torch's CPU one and (in use) the current
+    CUDA device's."""
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state: RngState = {
         "python": random.getstate(),
@@ -38,7 +39,7 @@ def rng_state() -> RngState:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # asking would otherwise start CUDA
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (DDP: one per process)
     return state
 
 
@@ -49,8 +50,7 @@ def set_rng_state(state: RngState) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        for device, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(device_state, device)
+        torch.cuda.set_rng_state(state["cuda"])  # onto the current device: the same rank's, on resuming
 
 
 def gather_rng_states(group: Optional[dist.ProcessGroup] = None) -> list[RngState]:

@@ -8,7 +8,7 @@ resumed fits draw from the restart's seed.
 
 - **Saved** in every checkpoint written while fitting with every rank present (``ModelCheckpoint``,
   a signal's stop checkpoint, ``trainer.save_checkpoint``): every rank's generators
-  (:mod:`parallel.rng_state`: Python's, NumPy's global one, torch's CPU and CUDA ones), gathered by
+  (:mod:`parallel.rng_state`: Python's, NumPy's global one, torch's CPU one and the rank's CUDA device's), gathered by
   one ``all_gather_object`` inside the save that every rank makes, under :data:`CHECKPOINT_KEY`.
   The watchdog's last checkpoint, written after a rank was lost, holds none: nobody can read a lost
   rank's generators.

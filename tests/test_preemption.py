@@ -161,7 +161,8 @@ class _Net(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        # Dropout: the stop checkpoint holds every rank's generators, so the resume draws the same masks.
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
         generator = torch.Generator().manual_seed(1)
         self.data = TensorDataset(torch.randn(32, 8, generator=generator),
                                   torch.randint(0, 4, (32,), generator=generator))

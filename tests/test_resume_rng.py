@@ -144,6 +144,18 @@ def test_rng_state_round_trips_every_default_generator_and_loads_weights_only(tm
     assert torch.equal(again[0], expected[0]) and np.array_equal(again[1], expected[1]) and again[2:] == expected[2:]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rng_state_round_trips_the_current_cuda_devices_generator() -> None:
+    torch.cuda.manual_seed(1)
+    torch.rand(1, device="cuda")  # CUDA in use: its generator is part of the state
+    state = rng_state()
+    expected = torch.rand(3, device="cuda")
+    torch.cuda.manual_seed(9)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda"), expected)
+
+
 def test_a_checkpoint_without_states_or_from_other_ranks_is_not_restored(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO"):
         assert rng_state_to_restore({}, rank=0, world_size=2) is None
