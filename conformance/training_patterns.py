@@ -5,7 +5,9 @@ The data is sharded by hand (run with ``use_distributed_sampler=False``): rank r
 samples r, r+W, ... in batches of 4, and one process trains on batches of 4 * W, so global batch t
 of the ranks is batch t of one process. ``truth`` names what a pattern's result is defined by: one
 process on the global batch, or Lightning's ``ddp`` where the per-rank state is part of the
-semantics (buffers updated from each rank's own data, local BatchNorm). ``ddp_options`` /
+semantics (buffers updated from each rank's own data, local BatchNorm), or, for a pattern that is
+interrupted after ``resume_after_steps`` optimizer steps and resumed from the checkpoint written
+there, the same strategy's uninterrupted fit. ``ddp_options`` /
 ``custom_options`` are strategy arguments; ``ddp_options = None``: ``ddp`` cannot run the pattern.
 The modules know nothing about the strategy.
 """
@@ -43,6 +45,7 @@ class TrainingPattern(pl.LightningModule):
     ddp_options: ClassVar[dict[str, Any] | None] = {}
     custom_options: ClassVar[dict[str, Any]] = {}
     slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
+    resume_after_steps: ClassVar[int | None] = None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)
 
     def __init__(self) -> None:
         super().__init__()
@@ -286,6 +289,26 @@ class DoubleBackward(TrainingPattern):
         return F.mse_loss(outputs, targets) + 0.1 * input_grad.pow(2).mean()
 
 
+class DropoutResumedMidEpoch(TrainingPattern):
+    """Dropout, each rank its own stream: a resume repeats the fit only if it repeats every rank's draws."""
+
+    label = "Dropout, interrupted mid-epoch (step 3 of 4) and resumed from that checkpoint"
+    truth = "uninterrupted"
+    max_epochs = 2
+    resume_after_steps = 3
+
+    def build(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, OUTPUTS))
+
+    def setup(self, stage: str) -> None:
+        torch.manual_seed(10 + self.global_rank)
+
+
+class DropoutResumedAtEpochEnd(DropoutResumedMidEpoch):
+    label = "Dropout, interrupted after epoch 0's last step and resumed from that checkpoint"
+    resume_after_steps = 4
+
+
 PATTERNS: dict[str, type[TrainingPattern]] = {
     "after_backward": AfterBackwardClamp, "after_manual_backward": ManualBackwardRescale,
     "non_bn_buffer": NonBatchNormBuffer, "local_batchnorm": LocalBatchNorm,
@@ -296,6 +319,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
+    "dropout_resumed_mid_epoch": DropoutResumedMidEpoch, "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from conformance.training_patterns import WORLD_SIZE, TrainingPattern
@@ -45,18 +46,32 @@ def _strategy(pattern: type[TrainingPattern], setting: str) -> Any:
     return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **pattern.custom_options)
 
 
-def fit_pattern(pattern: type[TrainingPattern], setting: str) -> list[dict[str, Any]]:
-    """Train ``pattern`` under ``setting``; one ``{"state", "records"}`` per rank."""
+def fit_pattern(pattern: type[TrainingPattern], setting: str, interrupt: bool = True) -> list[dict[str, Any]]:
+    """Train ``pattern`` under ``setting``; one ``{"state", "records"}`` per rank. A pattern with
+    ``resume_after_steps`` is stopped there and resumed from the checkpoint of that step (unless
+    ``interrupt`` is false: its truth, the same fit uninterrupted)."""
     if setting not in SETTINGS:
         raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
+    if pattern.resume_after_steps is None or not interrupt:
+        return _fit(pattern, setting)
+    with tempfile.TemporaryDirectory() as checkpoints:
+        every = ModelCheckpoint(dirpath=checkpoints, filename="interrupted", every_n_train_steps=pattern.resume_after_steps)
+        _fit(pattern, setting, max_steps=pattern.resume_after_steps, checkpoint=every)
+        return _fit(pattern, setting, ckpt_path=Path(checkpoints) / "interrupted.ckpt")
+
+
+def _fit(pattern: type[TrainingPattern], setting: str, max_steps: int = -1, checkpoint: ModelCheckpoint | None = None,
+         ckpt_path: Path | None = None) -> list[dict[str, Any]]:
     devices = 1 if setting == "one_process" else WORLD_SIZE
     module = pattern()
+    callbacks = [*module.callbacks(), *([checkpoint] if checkpoint else [])]
     with tempfile.TemporaryDirectory() as out:
         trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(pattern, setting),
-                             max_epochs=pattern.max_epochs, use_distributed_sampler=False, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[_SaveRankState(Path(out)), *module.callbacks()], **pattern.trainer_options)
-        trainer.fit(module)
+                             max_epochs=pattern.max_epochs, max_steps=max_steps, use_distributed_sampler=False,
+                             logger=False, enable_checkpointing=checkpoint is not None, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[_SaveRankState(Path(out)), *callbacks],
+                             **pattern.trainer_options)
+        trainer.fit(module, ckpt_path=ckpt_path)
         return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]
 
 

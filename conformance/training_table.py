@@ -1,7 +1,7 @@
 """Training conformance table: each training pattern under Lightning's ``ddp`` and ``custom_ddp`` against its truth.
 
 Runs every pattern of :mod:`conformance.training_patterns` (2 CPU ranks, fork + gloo; 32 samples,
-batches of 4 per rank) under its truth (one process on the global batch, or ``ddp``'s rank 0),
+batches of 4 per rank) under its truth (one process on the global batch, ``ddp``'s rank 0, or the same strategy uninterrupted),
 ``ddp`` and ``custom_ddp``, and writes ``results.json`` + ``results.md`` and README.md's block
 between ``<!-- training-conformance:begin -->`` and ``<!-- training-conformance:end -->``. Each
 cell: the largest |weight or buffer - truth| over every rank, and whether the ranks hold bitwise
@@ -28,18 +28,21 @@ from conformance.training_runs import compare, fit_pattern
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "training"
 BEGIN, END = "<!-- training-conformance:begin -->", "<!-- training-conformance:end -->"
 EXACT = 1e-6  # above this a float32 cell is marked ≠
-TRUTHS = {"one_process": "1 process, global batch", "ddp": "ddp, rank 0"}
+TRUTHS = {"one_process": "1 process, global batch", "ddp": "ddp, rank 0", "uninterrupted": "the same strategy, uninterrupted"}
 
 
 def _row(name: str, pattern: type[TrainingPattern]) -> dict[str, Any]:
     # The forked runs first: a process that ran a compiled backward cannot fork ranks any more
     # ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
-    settings = ["ddp", "custom_ddp", "one_process"] if pattern.ddp_options is not None else ["custom_ddp", "one_process"]
+    settings = ["ddp", "custom_ddp"] if pattern.ddp_options is not None else ["custom_ddp"]
+    if pattern.truth == "one_process":
+        settings.append("one_process")
     runs = {setting: outcome_of(lambda: fit_pattern(pattern, setting)) for setting in settings}
-    truth = runs[pattern.truth]
     row: dict[str, Any] = {"key": name, "pattern": pattern.label, "truth": pattern.truth}
     for setting in ("ddp", "custom_ddp"):
         run = runs.get(setting, "n/a (torch SyncBatchNorm is CUDA-only)")
+        truth = runs[pattern.truth] if pattern.truth in runs else \
+            outcome_of(lambda: fit_pattern(pattern, setting, interrupt=False))  # "uninterrupted": its own
         row[setting] = run if isinstance(run, str) else f"truth failed: {truth}" if isinstance(truth, str) \
             else compare(run, truth)
     return row
