@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
-from parallel.rng_state import RngState, set_rng_state
+from parallel.rng_state import RngState, gather_rng_states, set_rng_state
 from strategies.loaders import index_batching, with_sampler
-from strategies.resume_rng import add_rng_states, redraw_base_seeds, rng_state_to_restore
+from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
 __all__ = ["ExactResume", "batches_done"]
 
@@ -57,11 +57,12 @@ def batches_done(progress: Any) -> int:
     return progress.current.completed + int(at_batch_end)
 
 
-def _resumes_mid_epoch(trainer: pl.Trainer) -> bool:
-    """The restored loop goes on inside an epoch, not at an epoch's start (ask after the restore)."""
+def _resumed_at(trainer: pl.Trainer, epoch_batches: int | float) -> int:
+    """The batch index inside an epoch of ``epoch_batches`` where the restored loop goes on; 0 at an
+    epoch's start (a fresh fit, or a checkpoint from an epoch's end). Ask after the restore."""
     loop = trainer.fit_loop
     done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
-    return 0 < done < trainer.num_training_batches
+    return done if 0 < done < epoch_batches else 0
 
 
 def _epoch_batches(length: int, limit: int | float) -> int:
@@ -106,10 +107,8 @@ class _Resume:
 
     def first_pass_skip(self) -> int:
         """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
-        loop = self._trainer.fit_loop
         self.restored, self.pass_epoch = self._loaded(), self._trainer.current_epoch
-        done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
-        self.done = done if 0 < done < _epoch_batches(self._length, self._trainer.limit_train_batches) else 0
+        self.done = _resumed_at(self._trainer, _epoch_batches(self._length, self._trainer.limit_train_batches))
         if self.done:
             rank_zero_info(f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
                            "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
@@ -154,7 +153,7 @@ class ExactResume:
     def save_rng_states(self, checkpoint: dict[str, Any]) -> None:
         """Every rank's generators into ``checkpoint`` while fitting; call from the save every rank makes."""
         if self._fitting_trainer() is not None:
-            add_rng_states(checkpoint)
+            checkpoint[CHECKPOINT_KEY] = gather_rng_states()  # a collective: every rank's save calls it
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -185,7 +184,7 @@ class ExactResume:
             return
         set_rng_state(state)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if not _resumes_mid_epoch(trainer):  # the interrupted fit made the next epoch's iterator after the checkpoint
+        if not _resumed_at(trainer, trainer.num_training_batches):  # the next epoch's iterator came after the checkpoint
             redraw_base_seeds(trainer.train_dataloader)
 
     @override

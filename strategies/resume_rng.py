@@ -36,16 +36,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from parallel.rng_state import RngState, gather_rng_states
+from parallel.rng_state import RngState
 
-__all__ = ["CHECKPOINT_KEY", "add_rng_states", "redraw_base_seeds", "rng_state_to_restore"]
+__all__ = ["CHECKPOINT_KEY", "redraw_base_seeds", "rng_state_to_restore"]
 
 CHECKPOINT_KEY = "custom_ddp_rng_states"  # a list: rank r's generators at index r
-
-
-def add_rng_states(checkpoint: dict[str, Any]) -> None:
-    """Every rank's generators into ``checkpoint``; a collective: every rank's save calls it."""
-    checkpoint[CHECKPOINT_KEY] = gather_rng_states()
 
 
 def rng_state_to_restore(checkpoint: dict[str, Any], rank: int, world_size: int) -> Optional[RngState]:
