@@ -138,7 +138,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
             self._layer_sync = self._batchnorm_sync.plugin(self._layer_sync)
         super().setup(trainer)
         self._preemption.attach(trainer, self.cluster_environment, self.launcher)
-        self._watchdog.attach(trainer, self.cluster_environment, self._options.zero1)
+        self._watchdog.attach(trainer, self.cluster_environment, self._options.zero1, self._options.exact_resume)
         log.debug("%s: setup done for %s with %s", self.__class__.__name__, trainer.state.fn, self.options)
 
     @override
@@ -191,6 +191,11 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         if self._options.desync_check and self.cluster_environment is not None:
             log_desync(exception, self.global_rank, self.world_size, self.cluster_environment)
         super().on_exception(exception)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # a resumed fit's generators are restored here (strategies.exact_resume)
+        self._watchdog.training_starts(self.lightning_module.trainer, self.generators_at_train_start())
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

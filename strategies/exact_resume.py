@@ -28,6 +28,7 @@ restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
-from parallel.rng_state import RngState, gather_rng_states, set_rng_state
+from parallel.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
 from strategies.loaders import index_batching, with_sampler
 from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
@@ -55,6 +56,12 @@ def batches_done(progress: Any) -> int:
     # counted completed, and the restarted loop counts it done (Lightning's RESTARTED_ON_TRAIN_BATCH_END).
     at_batch_end = total.ready == total.started == total.processed == total.completed + 1
     return progress.current.completed + int(at_batch_end)
+
+
+def _inside_a_batch(progress: Any) -> bool:
+    """The checkpoint was written inside a training batch, before it was processed (the watchdog's last one,
+    :mod:`strategies.last_checkpoint`): the restored loop begins that batch again."""
+    return progress.total.ready == progress.total.started == progress.total.processed + 1
 
 
 def _resumed_at(trainer: pl.Trainer, epoch_batches: int | float) -> int:
@@ -91,6 +98,7 @@ class _Resume:
         self.restored = False  # whether the loop's state had been restored when the first pass began
         self.pass_epoch: Optional[int] = None  # the epoch whose order the first pass took
         self.sampler: Optional[ResumeSampler] = None
+        self.before_first_pass: Optional[Callable[[], None]] = None  # called as the first pass begins
 
     def epoch(self) -> int:
         return self._trainer.current_epoch
@@ -107,6 +115,8 @@ class _Resume:
 
     def first_pass_skip(self) -> int:
         """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
+        if self.before_first_pass is not None:
+            self.before_first_pass()
         self.restored, self.pass_epoch = self._loaded(), self._trainer.current_epoch
         self.done = _resumed_at(self._trainer, _epoch_batches(self._length, self._trainer.limit_train_batches))
         if self.done:
@@ -142,6 +152,8 @@ class ExactResume:
     world_size: int
     _resumes: tuple[_Resume, ...] = ()  # this resumed fit's training loaders, until its first batch
     _rng_state: Optional[RngState] = None  # this rank's generators from the resumed checkpoint, until on_train_start
+    _rng_before_iterator: Optional[RngState] = None  # this fit's, as they were before its first training iterator
+    _rng_at_epoch_start: Optional[RngState] = None  # restored at an epoch's start: set again at its first fetch
 
     def _fitting_trainer(self) -> Optional[pl.Trainer]:
         """The trainer when this call fits and resumes exactly (``None`` otherwise)."""
@@ -166,7 +178,10 @@ class ExactResume:
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = self._fitting_trainer()
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not trainer.ckpt_path:
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        self._rng_before_iterator = rng_state()  # Lightning makes the epoch's iterator right after this hook
+        if not trainer.ckpt_path:
             return dataloader
         reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
         if reason is not None:
@@ -175,6 +190,7 @@ class ExactResume:
         batching = index_batching(dataloader)
         resume = _Resume(trainer, len(dataloader), batching[0], None)
         resume.sampler = ResumeSampler(dataloader.sampler, resume.first_pass_skip, resume.epoch)
+        resume.before_first_pass = self._first_fetch
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", _FALLBACK)
 
@@ -183,9 +199,34 @@ class ExactResume:
         if state is None:
             return
         set_rng_state(state)
+        self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if not _resumed_at(trainer, trainer.num_training_batches):  # the next epoch's iterator came after the checkpoint
             redraw_base_seeds(trainer.train_dataloader)
+            if _inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
+                self._rng_at_epoch_start = state  # see _first_fetch
+
+    def _first_fetch(self) -> None:
+        """A resumed epoch's first training batch is about to be read (a loader without workers begins its
+        first pass then; one with workers began it before the restore). Resuming at an epoch's first batch
+        from a checkpoint written inside that batch (the watchdog's last one), Lightning 2.6 makes the
+        validation loaders' iterators in between (its fast-forward of a validation it counts as due at
+        batch -1; each iterator draws a base seed), which the uninterrupted fit did not: the generators are
+        set again as :meth:`_restore_rng` set them. (From an epoch's end, the validation Lightning runs
+        there is one the uninterrupted fit ran too.)"""
+        state, self._rng_at_epoch_start = self._rng_at_epoch_start, None
+        if state is not None:
+            set_rng_state(state)
+            redraw_base_seeds(self.lightning_module.trainer.train_dataloader)  # type: ignore[union-attr]
+
+    def generators_at_train_start(self) -> Optional[RngState]:
+        """The generators a checkpoint of where training starts must hold (after :meth:`on_train_start`): the
+        ones now, or at an epoch's start those before its iterator was made (resuming there makes that draw
+        again, :func:`~strategies.resume_rng.redraw_base_seeds`); ``None`` without ``exact_resume``."""
+        trainer = self._fitting_trainer()
+        if trainer is None:
+            return None
+        return rng_state() if _resumed_at(trainer, trainer.num_training_batches) else self._rng_before_iterator
 
     @override
     def on_train_start(self) -> None:
@@ -208,5 +249,5 @@ class ExactResume:
 
     @override
     def teardown(self) -> None:
-        self._resumes, self._rng_state = (), None  # a fit that never reached a training batch
+        self._resumes, self._rng_state, self._rng_before_iterator, self._rng_at_epoch_start = (), None, None, None
         super().teardown()  # type: ignore[misc]

@@ -10,8 +10,9 @@ resumed fits draw from the restart's seed.
   a signal's stop checkpoint, ``trainer.save_checkpoint``): every rank's generators
   (:mod:`parallel.rng_state`: Python's, NumPy's global one, torch's CPU one and the rank's CUDA device's), gathered by
   one ``all_gather_object`` inside the save that every rank makes, under :data:`CHECKPOINT_KEY`.
-  The watchdog's last checkpoint, written after a rank was lost, holds none: nobody can read a lost
-  rank's generators.
+  The watchdog's last checkpoint, written after a rank was lost, holds them as they were at the start
+  of the accumulation window it goes back to, read from the job's store where every rank keeps them
+  (:mod:`strategies.window_generators`; none when a rank's are missing there).
 - **Restored** on every rank at ``on_train_start`` of a fit resumed on as many ranks: after
   everything Lightning restores, before the first batch. By then Lightning has made the resumed
   epoch's training iterator, which draws its workers' base seed (one int64, made by every
@@ -48,8 +49,8 @@ def rng_state_to_restore(checkpoint: dict[str, Any], rank: int, world_size: int)
     states = checkpoint.get(CHECKPOINT_KEY)
     if states is None:
         rank_zero_info("custom_ddp: the checkpoint holds no random generator states (written by another strategy, "
-                       "after a rank was lost, or with exact_resume=False): the resumed fit draws from this run's "
-                       "generators, not the interrupted fit's")
+                       "with exact_resume=False, or after a rank was lost whose states were not in the job's store): "
+                       "the resumed fit draws from this run's generators, not the interrupted fit's")
         return None
     if len(states) != world_size:
         rank_zero_warn(f"custom_ddp: the checkpoint holds the random generators of {len(states)} ranks, this fit "

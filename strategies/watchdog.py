@@ -13,7 +13,9 @@ whether optimizer state is sharded, and it never reads the strategy back. While 
 - on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
   exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first;
 - on rank 0 (on rank 1 when rank 0 is the rank lost), writes the checkpoint of the last completed
-  optimizer step when a stall or a peer's failure ends the job (:mod:`strategies.last_checkpoint`).
+  optimizer step when a stall or a peer's failure ends the job (:mod:`strategies.last_checkpoint`);
+  while fitting with ``exact_resume``, every rank keeps its random generators at each point where an
+  accumulation window may begin, in the store, for that checkpoint (:mod:`strategies.window_generators`).
 
 ``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
 """
@@ -30,7 +32,10 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from parallel.rng_state import RngState
 
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Heartbeat, Progress
@@ -38,10 +43,15 @@ from strategies.job_store import connect_store
 from strategies.last_checkpoint import LastCheckpoint
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
 from strategies.stall_watch import StallWatch
+from strategies.window_generators import WindowGenerators
 
 __all__ = ["Watchdog"]
 
 log = logging.getLogger(__name__)
+
+def _batches_processed(trainer: pl.Trainer) -> int:
+    return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
 
 class Watchdog(Callback):
     """Heartbeat, progress markers, stall detection and exit causes for one stage at a time."""
@@ -53,6 +63,8 @@ class Watchdog(Callback):
         self._watch: Optional[StallWatch] = None
         self._trainer: Optional[pl.Trainer] = None
         self._environment: Optional[ClusterEnvironment] = None
+        self._generators: Optional[WindowGenerators] = None  # fitting with exact_resume on 2+ ranks only
+        self._in_window = False  # a training batch began since the last optimizer step (or epoch end)
         self._stages = 0
         self.last_checkpoint = LastCheckpoint()  # what rank 0 (or 1) writes when a stall or a failure ends the job
 
@@ -70,13 +82,15 @@ class Watchdog(Callback):
         # The strategy pickles (spawn and forkserver send it to each new process, a user may pickle it
         # after setup): the running heartbeat thread, its store client and the trainer stay here.
         state = self.__dict__.copy()
-        state.update(_heartbeat=None, _watch=None, _trainer=None, _environment=None)
+        state.update(_heartbeat=None, _watch=None, _trainer=None, _environment=None, _generators=None)
         return state
 
     # ------------------------------------------------------------- strategy side
 
-    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment], zero1: bool) -> None:
-        """Join the callbacks and start the heartbeat (2+ ranks only)."""
+    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment], zero1: bool,
+               keep_generators: bool = False) -> None:
+        """Join the callbacks and start the heartbeat (2+ ranks only); ``keep_generators``: the strategy's
+        ``exact_resume`` (a last checkpoint then holds every rank's random generators)."""
         self._stages += 1
         if trainer.world_size < 2 or environment is None or not dist.is_initialized():
             return
@@ -98,6 +112,8 @@ class Watchdog(Callback):
                                  self.checkpoint_note)
         self._heartbeat = heartbeat
         heartbeat.start()
+        if keep_generators and not zero1 and trainer.state.fn == TrainerFn.FITTING:  # zero1 writes no last checkpoint
+            self._generators = WindowGenerators(store, rank, trainer.world_size)
 
     def detach(self) -> None:
         self._disconnect()
@@ -106,6 +122,8 @@ class Watchdog(Callback):
             trainer.callbacks.remove(self)
 
     def _stop(self) -> None:
+        if self._generators is not None:
+            self._generators.stop()  # what it kept stays readable: this rank may still write the last checkpoint
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat.join(timeout=1.0)  # a store call to a dead host would take STORE_OP_S
@@ -119,7 +137,7 @@ class Watchdog(Callback):
         self._stop()
         if heartbeat is not None:
             heartbeat.store.close()
-        self._watch = None
+        self._watch = self._generators = None
 
     def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
         if self._watch is not None:
@@ -138,6 +156,17 @@ class Watchdog(Callback):
         # From the heartbeat thread: only while the main thread waits in a collective (it touches no state).
         parked = own_record is not None and bool(own_record.get("collective")) and not own_record.get("busy")
         return self.last_checkpoint.note(self._trainer, parked, rank0_lost)
+
+    def training_starts(self, trainer: pl.Trainer, generators: Optional[RngState]) -> None:
+        """The strategy's ``on_train_start``, after a resume's restore: the first window may begin here, and
+        ``generators`` are the ones a checkpoint of this point must hold."""
+        self._in_window = False
+        if self._generators is not None and generators is not None:
+            self._generators.keep(_batches_processed(trainer), generators)
+
+    def _window_may_begin(self, trainer: pl.Trainer) -> None:
+        if self._generators is not None and not self._in_window:
+            self._generators.keep(_batches_processed(trainer))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,14 +206,27 @@ class Watchdog(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._mark(trainer, "train", batch_idx)
+        self._in_window = True
         if self._heartbeat is not None:  # a last checkpoint may be written during this batch
             self.last_checkpoint.batch_started(trainer, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.last_checkpoint.batch_ended()
+        if self.last_checkpoint.batch_ended():
+            self._in_window = False
+            self._window_may_begin(trainer)
         self._mark(trainer, "train", batch_idx)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_window = False  # the next epoch begins a window (strategies.last_checkpoint)
+        self._window_may_begin(trainer)  # after the epoch's validation, before the next epoch's loader iterator
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:  # its draws come before a window
+            self._window_may_begin(trainer)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -229,13 +271,15 @@ class Watchdog(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        self.last_checkpoint.saving(trainer, checkpoint)
+        self.last_checkpoint.saving(trainer, checkpoint, self._generators)
 
     # ------------------------------------------------------------- exit causes
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         heartbeat = self._heartbeat
+        if self._generators is not None:
+            self._generators.flush()  # the writer, if this rank is the one lost, reads them
         self._stop()  # this rank is on its way out: its silence is no stall
         if heartbeat is None:
             return

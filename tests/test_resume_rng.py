@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from parallel.rng_state import rng_state, set_rng_state
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
+from strategies.watchdog import Watchdog
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
 
@@ -79,12 +80,14 @@ class Stochastic(pl.LightningModule):
         torch.save(state, self.out / f"rank{self.global_rank}.pt")
 
 
-def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None) -> list[dict]:
+def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None,
+         callbacks: tuple[pl.Callback, ...] = ()) -> list[dict]:
     out.mkdir(parents=True)
     checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
                    ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
-                         accumulate_grad_batches=ACCUMULATE, callbacks=checkpoints, enable_progress_bar=False,
+                         accumulate_grad_batches=ACCUMULATE, callbacks=[*checkpoints, *callbacks],
+                         enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(Stochastic(out, workers, noise), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
@@ -130,6 +133,50 @@ def test_ddp_resumes_with_the_restarts_generators(tmp_path: Path, uninterrupted:
     out, truth = uninterrupted(0, True)
     ddp = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
     assert not _same(_fit(ddp, tmp_path / "ddp", 0, True, out / "ckpt" / "epoch=0.ckpt"), truth)
+
+
+class _FirstBatchGenerator(pl.Callback):
+    """Each rank's torch generator as its first training batch starts, saved in ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        path = self.out / f"first_batch_rank{trainer.global_rank}.pt"
+        if not path.exists():
+            torch.save(torch.get_rng_state(), path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("checkpoint", [None, "step=2.ckpt", "epoch=0.ckpt"], ids=["fresh", "mid_epoch", "epoch_end"])
+def test_the_generators_kept_at_training_start_are_those_a_checkpoint_there_must_hold(
+        tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, checkpoint: str | None) -> None:
+    """What the watchdog's last checkpoint holds when a rank is lost in a fit's first window
+    (strategies.window_generators): resumed, the checkpoint's own generators (at an epoch's start those
+    before its iterator drew, which a resume draws again); fresh, those before the first training
+    iterator drew its base seed."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    keep = Watchdog.training_starts
+
+    def recorded(self: Watchdog, trainer: pl.Trainer, generators: Any) -> None:
+        torch.save(generators, kept / f"rank{trainer.global_rank}.pt")
+        keep(self, trainer, generators)
+
+    monkeypatch.setattr(Watchdog, "training_starts", recorded)  # forked ranks inherit it
+    out, _ = uninterrupted(0, False)
+    ckpt_path = out / "ckpt" / checkpoint if checkpoint else None
+    _fit(_custom(), tmp_path / "run", 0, False, ckpt_path, callbacks=(_FirstBatchGenerator(kept),))
+    for rank in range(2):
+        state = torch.load(kept / f"rank{rank}.pt", weights_only=True)
+        if ckpt_path is not None:
+            saved = torch.load(ckpt_path, weights_only=True)[CHECKPOINT_KEY][rank]
+            assert torch.equal(state["torch"], saved["torch"]) and state["python"] == saved["python"]
+            assert torch.equal(state["numpy"][1], saved["numpy"][1]) and state["numpy"][2:] == saved["numpy"][2:]
+        else:
+            set_rng_state(state)
+            torch.empty((), dtype=torch.int64).random_()  # the first training iterator's base seed
+            assert torch.equal(torch.get_rng_state(), torch.load(kept / f"first_batch_rank{rank}.pt"))
 
 
 def test_rng_state_round_trips_every_default_generator_and_loads_weights_only(tmp_path: Path) -> None:
