@@ -75,19 +75,24 @@ class Events:
 
 
 class FaultNet(pl.LightningModule):
-    """Conv + BatchNorm (two SyncBN collectives per step) + linear, with the faults of ``args``."""
+    """Conv + BatchNorm (two SyncBN collectives per step) + dropout + linear, with the faults of ``args``.
+    Each rank draws its dropout masks from its own stream: a resume is bitwise only with every rank's
+    generators as the interrupted fit left them."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
         self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                 nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 10))
+                                 nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Dropout(0.2), nn.Linear(128, 10))
         self.events: Optional[Events] = None
         self._saves = 0
 
     def _at(self, spec: Optional[tuple[float, ...]], batch_idx: int) -> bool:
         return (FIRST_ATTEMPT and spec is not None and int(spec[0]) == self.global_rank
                 and int(spec[1]) == self.current_epoch and int(spec[2]) == batch_idx)
+
+    def setup(self, stage: str) -> None:
+        pl.seed_everything(100 + self.global_rank, verbose=False)  # after the weights: those are the same everywhere
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.events is not None
@@ -159,6 +164,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout, seconds")
     parser.add_argument("--desync_check", action="store_true")
     parser.add_argument("--ckpt_path", default=None, help="resume from this checkpoint")
+    parser.add_argument("--ckpt_every_n_epochs", type=int, default=1, help="ModelCheckpoint(every_n_epochs=...)")
     parser.add_argument("--step_sleep", type=float, default=0.05, help="seconds added to every training step")
     parser.add_argument("--val_sleep", type=float, default=0.2, help="seconds added to every validation step")
     parser.add_argument("--ckpt_hold", type=float, default=0.0, help="seconds inside the first checkpoint save")
@@ -181,7 +187,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     model = FaultNet(args)
     stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
     strategy = CustomDDPStrategy(timeout=args.timeout, desync_check=args.desync_check, **stall)
-    checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1)
+    checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1,
+                                 every_n_epochs=args.ckpt_every_n_epochs)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.max_epochs, callbacks=[checkpoint],
         accumulate_grad_batches=args.accumulate,

@@ -40,8 +40,8 @@ import torch
 
 from conformance import fault_matrix_report
 from conformance.fault_messages import rank0_message
-from conformance.fault_rows import (DEADLINE_S, EPOCHS, FAULT_BATCH, FAULT_EPOCH, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S,
-                                    STEPS_PER_EPOCH, Result, Row)
+from conformance.fault_rows import (DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S, STEPS_PER_EPOCH, Result,
+                                    Row)
 from measure.run_info import environment
 from benchmarks.launcher import without_launch_variables
 
@@ -65,12 +65,13 @@ def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None
 
 
 def _fault_flags(row: Row) -> list[str]:
-    command = ["--timeout", str(row.timeout_s)] + (["--desync_check"] if row.desync_check else [])
+    command = ["--timeout", str(row.timeout_s), "--ckpt_every_n_epochs", str(row.ckpt_every_n_epochs)]
+    command += ["--desync_check"] if row.desync_check else []
     if row.stall_timeout_s is not None:
         command += ["--stall_timeout", str(row.stall_timeout_s)]
-    where = f"{row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}"
+    where = f"{row.rank}:{row.epoch}:{row.batch}"
     if row.phase == "train" and row.is_signal:
-        command += ["--hold", f"{1 - row.rank}:{FAULT_EPOCH}:{FAULT_BATCH}:{HOLD_S}"]
+        command += ["--hold", f"{1 - row.rank}:{row.epoch}:{row.batch}:{HOLD_S}"]
     if row.phase == "ckpt":
         hold = 2 * row.stall_timeout_s if row.fault == "slow_save" and row.stall_timeout_s else HOLD_S
         command += ["--ckpt_hold", str(hold)] + (["--ckpt_hold_rank", str(row.rank)] if row.fault == "slow_save" else [])
@@ -96,7 +97,7 @@ def _trigger(row: Row, event: dict[str, Any]) -> Optional[float]:
     if event["rank"] != row.rank:
         return None
     if row.phase == "train" and event["event"] == "train_batch":
-        if (event["epoch"], event["batch"]) == (FAULT_EPOCH, FAULT_BATCH):
+        if (event["epoch"], event["batch"]) == (row.epoch, row.batch):
             return 0.3  # by then the rank waits in the batch's SyncBN all_gather for its held-back peer
     if row.phase == "val" and event["event"] == "val_batch" and event["batch"] == 1:
         return 0.0

@@ -15,6 +15,7 @@ STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks 
 DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
 HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
 STALL_S = 20.0  # stall_timeout of the stall rows
+FAULT_EPOCH, FAULT_BATCH = 1, 3  # a training fault's default: mid-epoch 1 (epoch 0's checkpoint exists, the fault's is newer)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class Row:
     stall_timeout_s: Optional[float] = None  # None: the strategy's default
     max_restarts: Optional[int] = None  # run under torchrun --max-restarts=N with --ckpt_path last
     accumulate: int = 1  # accumulate_grad_batches (FAULT_BATCH 3 is then the second micro-batch of a window of 2)
+    epoch: int = FAULT_EPOCH  # the training batch the fault comes in
+    batch: int = FAULT_BATCH
+    ckpt_every_n_epochs: int = 1  # ModelCheckpoint's; 2: no checkpoint at epoch 0's end
 
     @property
     def is_signal(self) -> bool:
@@ -57,6 +61,9 @@ ROWS = (
     Row("exception_rank1_mid_window",
         "exception on rank 1 after its forward, 2nd micro-batch of accumulate_grad_batches=2",
         "exception_after_forward", 1, "train", accumulate=2),
+    Row("exception_rank1_epoch_start",
+        "exception on rank 1 after its forward in epoch 1's first batch, no checkpoint at epoch 0's end",
+        "exception_after_forward", 1, "train", epoch=1, batch=0, ckpt_every_n_epochs=2),
     Row("rank_collective_desync", "collective on rank 0 only, desync_check=True", "rank_collective", 0, "train",
         desync_check=True),
     Row("rank_collective_plain", "collective on rank 0 only, desync_check=False (timeout 10 s)", "rank_collective",
@@ -77,7 +84,6 @@ ROWS = (
         max_restarts=1),
 )
 ROWS_BY_NAME = {row.name: row for row in ROWS}
-FAULT_EPOCH, FAULT_BATCH = 1, 3  # mid-epoch 1: epoch 0's checkpoint exists, the fault's must be newer
 
 
 @dataclass
