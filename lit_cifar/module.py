@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -28,6 +29,7 @@ __all__ = ["LitClassifier"]
 
 _OPTIMIZERS = ("sgd", "adamw")
 _SCHEDULES = ("cosine", "onecycle", "none")
+_SCHEDULE_STEPS_KEY = "lit_cifar_schedule_steps"  # in a checkpoint: the optimizer steps its LR schedule was built for
 
 
 def _warmup_cosine(warmup_steps: int, total_steps: int):
@@ -154,7 +156,7 @@ class LitClassifier(LightningModule):
             optimizer = torch.optim.AdamW(self.param_groups(), lr=hp.lr)
         if hp.schedule == "none":
             return optimizer
-        total_steps = int(self.trainer.estimated_stepping_batches)
+        total_steps = self._schedule_steps = int(self.trainer.estimated_stepping_batches)
         if hp.schedule == "onecycle":
             scheduler = torch.optim.lr_scheduler.OneCycleLR(
                 optimizer, max_lr=hp.lr, total_steps=total_steps, pct_start=_onecycle_pct_start(hp, total_steps)
@@ -163,3 +165,25 @@ class LitClassifier(LightningModule):
             warmup_steps = round(hp.warmup_fraction * total_steps)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(warmup_steps, total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if getattr(self, "_schedule_steps", None) is not None:
+            checkpoint[_SCHEDULE_STEPS_KEY] = self._schedule_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resumed_schedule_steps = checkpoint.get(_SCHEDULE_STEPS_KEY)
+
+    def on_train_start(self) -> None:
+        # A fit resumed with a larger max_epochs / max_steps than the interrupted one: OneCycleLR keeps the
+        # checkpoint's total_steps and torch fails at the first step past it; a cosine schedule is rebuilt
+        # for the new length, so its learning rate does not continue the interrupted curve.
+        resumed, steps = getattr(self, "_resumed_schedule_steps", None), getattr(self, "_schedule_steps", None)
+        if resumed is None or steps is None or resumed == steps:
+            return
+        what = (f"--ckpt_path resumes a {self.hparams.schedule} schedule built for {resumed} optimizer steps into a "
+                f"fit of {steps} (its max_epochs or max_steps differ from the interrupted fit's)")
+        if self.hparams.schedule == "onecycle":
+            raise OptionError(f"{what}: torch's OneCycleLR cannot change its length. Resume with the interrupted "
+                              "fit's --trainer.max_epochs / --trainer.max_steps, or start a new fit without --ckpt_path.")
+        rank_zero_warn(f"{what}: the schedule is rebuilt for {steps} steps, so from step {self.global_step} on its "
+                       "learning rate does not continue the interrupted fit's curve.")

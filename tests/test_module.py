@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lit_cifar.errors import OptionError
 from lit_cifar.module import LitClassifier, _warmup_cosine
 
 EPOCH_TAGS = {"train/loss_epoch", "train/acc1_epoch", "train/acc5_epoch", "val/loss", "val/acc1", "val/acc5"}
@@ -128,3 +129,26 @@ def test_model_summary_counts_flops_through_the_datamodule_hook(net: str, tiny_d
     assert summary.total_flops > 0 and summary.out_sizes[0] == [1, 100]
     datamodule = tiny_datamodule()
     assert datamodule.on_after_batch_transfer(model.example_input_array, 0) is model.example_input_array
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine"])
+def test_a_resume_with_a_longer_fit_names_the_schedule_it_cannot_continue(tmp_path: Path, tiny_datamodule,
+                                                                          schedule: str) -> None:
+    """OneCycleLR keeps the checkpoint's total_steps (torch then fails at step 6 of 10): an error before
+    training says why and what to do; a cosine schedule is rebuilt for the new length: a warning."""
+    def fit(max_epochs: int, ckpt_path: Path | None = None) -> None:
+        trainer = Trainer(accelerator="cpu", max_epochs=max_epochs, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(LitClassifier(net="template", lr=0.05, schedule=schedule), datamodule=tiny_datamodule(),
+                    ckpt_path=ckpt_path)
+
+    fit(1)
+    (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    if schedule == "onecycle":
+        with pytest.raises(OptionError, match="onecycle schedule built for 5 optimizer steps into a fit of 10 .*"
+                                              "Resume with the interrupted fit's --trainer.max_epochs"):
+            fit(2, checkpoint)
+    else:
+        with pytest.warns(UserWarning, match="cosine schedule built for 5 optimizer steps into a fit of 10 .* from "
+                                             "step 5 on its learning rate does not continue"):
+            fit(2, checkpoint)
