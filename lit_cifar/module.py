@@ -96,6 +96,9 @@ class LitClassifier(LightningModule):
             raise OptionError(f"warmup_fraction ({warmup_fraction}) and label_smoothing ({label_smoothing}) "
                              "must lie in [0, 1).")
         self.save_hyperparameters()
+        # Optimizer steps the LR schedule was built for: this fit's, and the resumed checkpoint's.
+        self._schedule_steps: int | None = None
+        self._resumed_schedule_steps: int | None = None
         self.net = build_net(net, num_classes, **(net_kwargs or {}))
         # One normalised 32x32 RGB image: Lightning's model summary runs it to fill in the FLOPs
         # (per image) and the in/out sizes (without it the FLOPs column reads 0 for every layer).
@@ -167,7 +170,7 @@ class LitClassifier(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if getattr(self, "_schedule_steps", None) is not None:
+        if self._schedule_steps is not None:
             checkpoint[_SCHEDULE_STEPS_KEY] = self._schedule_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -177,7 +180,7 @@ class LitClassifier(LightningModule):
         # A fit resumed with a larger max_epochs / max_steps than the interrupted one: OneCycleLR keeps the
         # checkpoint's total_steps and torch fails at the first step past it; a cosine schedule is rebuilt
         # for the new length, so its learning rate does not continue the interrupted curve.
-        resumed, steps = getattr(self, "_resumed_schedule_steps", None), getattr(self, "_schedule_steps", None)
+        resumed, steps = self._resumed_schedule_steps, self._schedule_steps
         if resumed is None or steps is None or resumed == steps:
             return
         what = (f"--ckpt_path resumes a {self.hparams.schedule} schedule built for {resumed} optimizer steps into a "

@@ -198,13 +198,19 @@ class ExactResume:
         state, self._rng_state = self._rng_state, None
         if state is None:
             return
-        set_rng_state(state)
         self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if not _resumed_at(trainer, trainer.num_training_batches):  # the next epoch's iterator came after the checkpoint
-            redraw_base_seeds(trainer.train_dataloader)
-            if _inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
-                self._rng_at_epoch_start = state  # see _first_fetch
+        if _resumed_at(trainer, trainer.num_training_batches):
+            set_rng_state(state)
+            return
+        self._start_epoch_from(state)  # the next epoch's iterator came after the checkpoint
+        if _inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
+            self._rng_at_epoch_start = state  # see _first_fetch
+
+    def _start_epoch_from(self, state: RngState) -> None:
+        """The generators as the uninterrupted fit had them after making the epoch's training iterator."""
+        set_rng_state(state)
+        redraw_base_seeds(self.lightning_module.trainer.train_dataloader)  # type: ignore[union-attr]
 
     def _first_fetch(self) -> None:
         """A resumed epoch's first training batch is about to be read (a loader without workers begins its
@@ -216,8 +222,7 @@ class ExactResume:
         there is one the uninterrupted fit ran too.)"""
         state, self._rng_at_epoch_start = self._rng_at_epoch_start, None
         if state is not None:
-            set_rng_state(state)
-            redraw_base_seeds(self.lightning_module.trainer.train_dataloader)  # type: ignore[union-attr]
+            self._start_epoch_from(state)
 
     def generators_at_train_start(self) -> Optional[RngState]:
         """The generators a checkpoint of where training starts must hold (after :meth:`on_train_start`): the

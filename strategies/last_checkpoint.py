@@ -76,6 +76,7 @@ class LastCheckpoint:
         self.updating = False  # between on_before_optimizer_step and the batch end: weights half updated
         self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
         self._window: Optional[_Window] = None  # inside an accumulation window only (a batch without one)
+        self.window_open = False  # on every rank: a training batch began since the last step or epoch end
         self._writing = False
         self._generators_note = ""  # what the newest of this class's checkpoints holds of the random generators
 
@@ -92,6 +93,7 @@ class LastCheckpoint:
     # ------------------------------------------------------------- training hooks (from the watchdog)
 
     def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.window_open = True
         if trainer.global_rank > 1 or self.zero1:  # the only ranks that may write it
             return
         if self._window is None or self._window.epoch != trainer.current_epoch:  # a new accumulation window
@@ -105,7 +107,12 @@ class LastCheckpoint:
         stepped, self.updating = self.updating, False
         if stepped:
             self._window = None  # the step is done: the module's own state is the shared one
+            self.window_open = False
         return stepped
+
+    def epoch_ended(self) -> None:
+        """The next batch begins a window, stepped or not (:meth:`batch_started` opens one per epoch)."""
+        self.window_open = False
 
     def saving(self, trainer: pl.Trainer, checkpoint: dict[str, Any],
                generators: Optional[WindowGenerators] = None) -> None:

@@ -64,7 +64,6 @@ class Watchdog(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._environment: Optional[ClusterEnvironment] = None
         self._generators: Optional[WindowGenerators] = None  # fitting with exact_resume on 2+ ranks only
-        self._in_window = False  # a training batch began since the last optimizer step (or epoch end)
         self._stages = 0
         self.last_checkpoint = LastCheckpoint()  # what rank 0 (or 1) writes when a stall or a failure ends the job
 
@@ -160,12 +159,11 @@ class Watchdog(Callback):
     def training_starts(self, trainer: pl.Trainer, generators: Optional[RngState]) -> None:
         """The strategy's ``on_train_start``, after a resume's restore: the first window may begin here, and
         ``generators`` are the ones a checkpoint of this point must hold."""
-        self._in_window = False
         if self._generators is not None and generators is not None:
             self._generators.keep(_batches_processed(trainer), generators)
 
     def _window_may_begin(self, trainer: pl.Trainer) -> None:
-        if self._generators is not None and not self._in_window:
+        if self._generators is not None and not self.last_checkpoint.window_open:
             self._generators.keep(_batches_processed(trainer))
 
     @override
@@ -206,7 +204,6 @@ class Watchdog(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._mark(trainer, "train", batch_idx)
-        self._in_window = True
         if self._heartbeat is not None:  # a last checkpoint may be written during this batch
             self.last_checkpoint.batch_started(trainer, pl_module)
 
@@ -214,13 +211,12 @@ class Watchdog(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.last_checkpoint.batch_ended():
-            self._in_window = False
             self._window_may_begin(trainer)
         self._mark(trainer, "train", batch_idx)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._in_window = False  # the next epoch begins a window (strategies.last_checkpoint)
+        self.last_checkpoint.epoch_ended()
         self._window_may_begin(trainer)  # after the epoch's validation, before the next epoch's loader iterator
 
     @override
