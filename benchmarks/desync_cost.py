@@ -74,13 +74,8 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = harness.parser("desync_cost", __doc__)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
-    args = harness.parse(p, argv)
-    rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
-    torch.set_num_threads(1)
-    quiet = harness.wait_for_quiet(max_wait_s=args.max_wait_s)
+    args, rounds, steps, quiet = harness.parse_step_rounds("desync_cost", __doc__, argv, rounds=4, steps=8,
+                                                           quick=(1, 2))
     rows = []
     for net, (_, batch) in NETS.items():
         runs = harness.interleave(MODES, rounds, lambda mode, _: _measure(net, mode, 2, steps))

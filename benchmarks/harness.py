@@ -29,6 +29,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
+import torch
+
 from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
 from measure.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
@@ -36,7 +38,7 @@ from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
            "fmt_value", "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",
-           "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds",
+           "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds",
            "verdict", "wait_for_quiet", "write_record"]
 
 SCHEMA = "lit_cifar.bench/v3"
@@ -68,6 +70,20 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
     if args.max_wait_s is None:
         args.max_wait_s = 0.0 if args.quick else 300.0
     return args
+
+
+def parse_step_rounds(name: str, doc: str | None, argv: Sequence[str] | None, rounds: int, steps: int,
+                      quick: tuple[int, int]) -> tuple[argparse.Namespace, int, int, Quietness]:
+    """A benchmark of whole training steps on 1-thread ranks: its options (``--rounds``, ``--steps`` with these
+    defaults), the rounds and steps to run (``quick`` with ``--quick``), 1 intra-op thread here, and the
+    quietness record once the machine is quiet."""
+    p = parser(name, doc)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=steps)
+    args = parse(p, argv)
+    rounds, steps = quick if args.quick else (args.rounds, args.steps)
+    torch.set_num_threads(1)
+    return args, rounds, steps, wait_for_quiet(max_wait_s=args.max_wait_s)
 
 
 def interleave(names: Sequence[str], rounds: int, run: Callable[[str, int], _T]) -> dict[str, list[_T]]:

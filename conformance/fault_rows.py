@@ -78,6 +78,8 @@ ROWS = (
         stall_timeout_s=STALL_S),
     Row("slow_save_rank0", "checkpoint save on rank 0 takes 2 x stall_timeout (20 s): must not fire", "slow_save", 0,
         "ckpt", stall_timeout_s=STALL_S, timeout_s=120.0),  # a 40 s save outlasts the 30 s collective timeout
+    Row("sigkill_rank0_restart", "SIGKILL of rank 0 under torchrun --max-restarts=1", "SIGKILL", 0, "train",
+        max_restarts=1),
     Row("sigkill_rank1_restart", "SIGKILL of rank 1 under torchrun --max-restarts=1", "SIGKILL", 1, "train",
         max_restarts=1),
     Row("exception_rank1_restart", "exception on rank 1 under torchrun --max-restarts=1", "exception", 1, "train",

@@ -18,6 +18,7 @@ call given up before it started never runs. When the host answers again, the wor
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store"]
+__all__ = ["STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store"]
 
 STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
 
@@ -149,3 +150,24 @@ def connect_store(host: str, port: int, prefix: str, op_timeout_s: float = STORE
         return dist.PrefixStore(prefix, store)
 
     return BoundedStore(connect, op_timeout_s)
+
+
+def _address_toward(host: str, port: int) -> str:
+    """This machine's address on the route to ``host``: the one a process there reaches it at (no packet is sent)."""
+    try:
+        family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def host_store(reachable_from: tuple[str, int], prefix: str,
+               op_timeout_s: float = STORE_OP_S) -> tuple[BoundedStore, str]:
+    """A new TCP store server in this process, on a free port, keys under ``prefix`` (as :func:`connect_store`
+    puts them), as a :class:`BoundedStore` (the server ends when that is closed), and the ``host:port`` at which
+    processes that reach ``reachable_from`` (the job's store) reach it."""
+    host = _address_toward(*reachable_from)
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=op_timeout_s))
+    return BoundedStore(lambda: dist.PrefixStore(prefix, server), op_timeout_s), f"{host}:{server.port}"

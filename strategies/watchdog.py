@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from parallel.rng_state import RngState
 
+from strategies.elastic_store import uses_shared_agent_store
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Heartbeat, Progress
 from strategies.job_store import connect_store
@@ -112,7 +113,9 @@ class Watchdog(Callback):
         self._heartbeat = heartbeat
         heartbeat.start()
         if keep_generators and not zero1 and trainer.state.fn == TrainerFn.FITTING:  # zero1 writes no last checkpoint
-            self._generators = WindowGenerators(store, rank, trainer.world_size)
+            # The store lives in rank 0's process unless it is torchrun's agent store: mirror it on rank 1.
+            toward = None if uses_shared_agent_store() else (environment.main_address, environment.main_port)
+            self._generators = WindowGenerators(store, rank, trainer.world_size, mirror_toward=toward)
 
     def detach(self) -> None:
         self._disconnect()
@@ -136,6 +139,8 @@ class Watchdog(Callback):
         self._stop()
         if heartbeat is not None:
             heartbeat.store.close()
+        if self._generators is not None:
+            self._generators.close()
         self._watch = self._generators = None
 
     def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:

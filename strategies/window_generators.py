@@ -14,14 +14,23 @@ start; it reads every rank's back (:meth:`WindowGenerators.every_rank`) and the 
 only when every rank's newest is the same point. The rank that fails with an exception writes its own
 before it exits (:meth:`WindowGenerators.flush`).
 
-Cost per optimizer step: 83 us on the main thread (reading the generators, with the writing thread
-running), and 0.19 ms until the store holds them (encoding, about 15 us, and one ``set`` of about
-14 KB; medians, AMD EPYC, 1 thread). Nothing is communicated between ranks, and the main thread never
-waits for the store.
+Cost per optimizer step: reading the generators takes 65 us on the main thread; encoding them
+(15 us) and one ``set`` of about 14 KB per store run on the writing threads. On a 2-rank template-net
+step (110 ms) the time added is 0.29 [-0.72, 1.47] ms with the job's store only and 0.41 [-1.14, 1.2]
+ms with the mirror too: not measurable (``python -m benchmarks.generator_keeping``; medians and 95 %
+CIs, AMD EPYC, 1 thread per rank). Nothing is communicated between ranks, and the main thread never
+waits for a store.
 
-A rank lost within the few milliseconds between a window's start and its write, or a store lost with
-its host (rank 0's process under Lightning's launchers; torchrun's agent store outlives the workers),
-leaves the last checkpoint without generators: the resumed fit then says that it draws its own.
+The store must outlive the rank lost. torchrun's agent store does; Lightning's launchers host the
+job's store in rank 0's process, and rank 0 lost takes it along while rank 1 writes the checkpoint.
+So, unless the store is torchrun's, rank 1 also hosts a mirror (a TCP store server of its own, its
+address published in the job's store) and every other rank writes there too, each store by a thread
+of its own (a stopped host never delays the other's writes); rank 1 reads its peers from the mirror,
+rank 0 from the job's store. That doubles the traffic: about 14 KB per rank and optimizer step to each.
+
+A rank lost within the few milliseconds between a window's start and its write, or both stores lost
+(ranks 0 and 1), leaves the last checkpoint without generators: the resumed fit then says that it
+draws its own.
 """
 
 from __future__ import annotations
@@ -29,39 +38,65 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from typing import Optional
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from parallel.rng_state import RngState, decode_rng_state, encode_rng_state, rng_state
-from strategies.job_store import BoundedStore
+from strategies.job_store import BoundedStore, connect_store, host_store
 
 __all__ = ["WindowGenerators"]
 
 log = logging.getLogger(__name__)
 
 _TAG = struct.Struct("<qq")  # the value's first 16 bytes: the point's number, training batches processed then
-FLUSH_S = 2.0  # how long a failing rank waits for its newest state to reach the store
+FLUSH_S = 2.0  # how long a failing rank waits for its newest state to reach the stores
+_MIRROR_HOST = 1  # hosts the mirror: LastCheckpoint.writer(rank0_lost=True), the rank that reads it
+_MIRROR_KEY = "rng/mirror"  # in the job's store: the mirror's host:port
+_MIRROR_PREFIX = "custom_ddp/"  # the mirror's keys: one job stage per mirror
+_Kept = tuple[tuple[int, int], RngState]  # ((point, training batches processed), generators)
 
 
 def _key(rank: int) -> str:
     return f"rng/{rank}"
 
 
-class WindowGenerators:
-    """This rank's generators at its newest possible window start, written to the store by a thread."""
+@dataclass(eq=False)
+class _Destination:
+    """A store this rank's newest state goes to, by a thread of its own."""
 
-    def __init__(self, store: BoundedStore, rank: int, world_size: int) -> None:
-        self._store, self._rank, self._world_size = store, rank, world_size
+    name: str
+    open: Callable[[], Optional[BoundedStore]]  # on the writer thread, until it gives a store (None: not yet)
+    store: Optional[BoundedStore] = None
+    written: Optional[_Kept] = None  # the newest tried (a store that failed is not asked again for it)
+
+
+class WindowGenerators:
+    """This rank's generators at its newest possible window start, written to the stores by threads."""
+
+    def __init__(self, store: BoundedStore, rank: int, world_size: int,
+                 mirror_toward: Optional[tuple[str, int]] = None) -> None:
+        """``mirror_toward``: the job store's host and port when the store lives in rank 0's process (module
+        docstring): rank 1 then hosts the mirror, reachable from there, and every other rank writes to it."""
+        self._rank, self._world_size = rank, world_size
         self._points = 0  # points kept so far (the main thread's count)
-        self._kept: Optional[tuple[tuple[int, int], RngState]] = None  # ((point, batches processed), state): newest
-        self._written: Optional[tuple[tuple[int, int], RngState]] = None  # the newest in the store
+        self._kept: Optional[_Kept] = None  # the newest
         self._stopped = False
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._write_newest, name=f"custom_ddp-rng-{rank}", daemon=True)
-        self._thread.start()
+        self._mirror: Optional[BoundedStore] = None  # rank 1's mirror: its server there, a client elsewhere
+        self._read_from, self._read_name = store, "the job's store"  # where the checkpoint's writer reads its peers
+        self._destinations = [_Destination("the job's store", lambda: store)]
+        if mirror_toward is not None and rank == _MIRROR_HOST:
+            self._host_mirror(store, mirror_toward)
+        elif mirror_toward is not None:
+            self._destinations.append(_Destination(f"rank {_MIRROR_HOST}'s mirror", lambda: self._open_mirror(store)))
+        for destination in self._destinations:
+            threading.Thread(target=self._write_newest, args=(destination,), daemon=True,
+                             name=f"custom_ddp-rng-{rank}").start()
 
     def keep(self, batches_processed: int, state: Optional[RngState] = None) -> None:
         """A window may begin here, after ``batches_processed`` training batches, with this rank's generators as
-        they are now (or as ``state``, the ones a resume to this point restores): keep them, the thread writes
+        they are now (or as ``state``, the ones a resume to this point restores): keep them, the threads write
         them. Every rank calls it at the same points."""
         self._points += 1
         kept = ((self._points, batches_processed), rng_state() if state is None else state)
@@ -70,15 +105,23 @@ class WindowGenerators:
             self._changed.notify_all()
 
     def flush(self, timeout_s: float = FLUSH_S) -> bool:
-        """Wait until the newest kept state was written to the store, or tried (a failing rank, before it exits);
-        ``False`` after ``timeout_s`` without."""
+        """Wait until the newest kept state was written to every store, or tried (a failing rank, before it
+        exits); ``False`` after ``timeout_s`` without."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._written is self._kept or self._stopped, timeout_s)
+            return self._changed.wait_for(
+                lambda: self._stopped or all(d.written is self._kept for d in self._destinations), timeout_s)
 
     def stop(self) -> None:
+        """End the writing threads; what was kept stays readable (this rank may still write the last checkpoint)."""
         with self._changed:
             self._stopped = True
             self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop, and close the mirror: its server on rank 1, the connection to it elsewhere."""
+        self.stop()
+        if self._mirror is not None:
+            self._mirror.close()
 
     def every_rank(self) -> tuple[Optional[list[RngState]], str]:
         """Every rank's generators at this rank's newest point, its window's start (and ``""``), or ``None`` and
@@ -88,13 +131,14 @@ class WindowGenerators:
             return None, f"rank {self._rank} kept none"
         peers = [rank for rank in range(self._world_size) if rank != self._rank]
         keys = [_key(rank) for rank in peers]
+        store = self._read_from
         try:
-            if keys and not self._store.check(keys):
-                missing = [rank for rank, key in zip(peers, keys) if not self._store.check([key])]
-                return None, f"rank(s) {missing} wrote none to the job's store"
-            values = dict(zip(peers, self._store.multi_get(keys))) if keys else {}
+            if keys and not store.check(keys):
+                missing = [rank for rank, key in zip(peers, keys) if not store.check([key])]
+                return None, f"rank(s) {missing} wrote none to {self._read_name}"
+            values = dict(zip(peers, store.multi_get(keys))) if keys else {}
         except Exception as error:  # noqa: BLE001 - the checkpoint is written without them either way
-            return None, f"the job's store did not give them ({type(error).__name__}: {error})"
+            return None, f"{self._read_name} did not give them ({type(error).__name__}: {error})"
         states: list[RngState] = []
         for rank in range(self._world_size):
             if rank == self._rank:
@@ -107,19 +151,41 @@ class WindowGenerators:
             states.append(decode_rng_state(values[rank][_TAG.size:]))
         return states, ""
 
-    def _write_newest(self) -> None:
+    def _host_mirror(self, store: BoundedStore, toward: tuple[str, int]) -> None:
+        try:
+            self._mirror, address = host_store(toward, _MIRROR_PREFIX)
+            store.set(_MIRROR_KEY, address)
+        except (RuntimeError, OSError) as error:  # the job's store alone: rank 0 lost, the checkpoint has none
+            log.warning("custom_ddp: rank %d hosts no mirror of the random generators: %s", self._rank, error)
+            return
+        self._read_from, self._read_name = self._mirror, f"rank {_MIRROR_HOST}'s mirror of the job's store"
+        log.debug("custom_ddp: rank %d hosts the random generators' mirror at %s", self._rank, address)
+
+    def _open_mirror(self, store: BoundedStore) -> Optional[BoundedStore]:
+        """Rank 1's mirror, once its address is published (rank 1 publishes it at setup); ``None`` if stopped."""
+        while not self._stopped:
+            if store.check([_MIRROR_KEY]):
+                host, port = store.get(_MIRROR_KEY).decode().rsplit(":", 1)
+                self._mirror = connect_store(host, int(port), _MIRROR_PREFIX)
+                return self._mirror
+            time.sleep(0.05)
+        return None
+
+    def _write_newest(self, destination: _Destination) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._kept is not self._written or self._stopped)
+                self._changed.wait_for(lambda: self._kept is not destination.written or self._stopped)
                 if self._stopped:
                     return
                 kept = self._kept
             assert kept is not None
             try:
-                self._store.set(_key(self._rank), _TAG.pack(*kept[0]) + encode_rng_state(kept[1]))
+                destination.store = destination.store or destination.open()
+                if destination.store is not None:
+                    destination.store.set(_key(self._rank), _TAG.pack(*kept[0]) + encode_rng_state(kept[1]))
             except Exception as error:  # noqa: BLE001 - a lost store: the writer finds none and says so
-                log.debug("custom_ddp: rank %d could not write its generators to the job's store: %s", self._rank,
-                          error)
+                log.debug("custom_ddp: rank %d could not write its generators to %s: %s", self._rank,
+                          destination.name, error)
             with self._changed:
-                self._written = kept  # tried: a store that failed is not asked again for this state
+                destination.written = kept  # tried: a store that failed is not asked again for this state
                 self._changed.notify_all()

@@ -1,4 +1,4 @@
-"""The syncbn, allreduce, data_pipeline and eval_memory benchmarks on tiny settings: they run through the
+"""The syncbn, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny settings: they run through the
 shared harness and their records carry quietness, CIs for every ratio, threads, and headline rows."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import allreduce, data_pipeline, eval_memory, syncbn
+from benchmarks import allreduce, data_pipeline, eval_memory, generator_keeping, syncbn
 from benchmarks.harness import Quietness, make_record
 
 ESTIMATE_KEYS = {"value", "low", "high", "n"}
@@ -128,6 +128,14 @@ def test_data_pipeline_quick_run(tmp_path: Path) -> None:
     assert saved["images_per_s"]["pil_transform"]["n"] == data_pipeline.QUICK["kernel_rounds"]
     assert (tmp_path / "throughput.png").exists()
 
+
+
+@pytest.mark.distributed
+def test_generator_keeping_quick_run(tmp_path: Path) -> None:
+    record = generator_keeping.main(["--quick", "--out", str(tmp_path)])
+    saved = _check_saved(tmp_path, list(record["ratio"].values()))
+    assert set(saved["step_s"]) == set(generator_keeping.MODES) and saved["step_s"]["off"]["n"] == 4
+    assert "(store + mirror) / off" in _whats(saved)
 
 
 def test_eval_memory_rows_of_the_committed_record():

@@ -104,3 +104,30 @@ def test_the_last_checkpoint_holds_them_only_when_it_is_the_one_written(stores: 
     last._writing = True  # what save() sets around its own trainer.save_checkpoint
     last.saving(trainer, checkpoint, ranks[0])
     assert len(checkpoint[CHECKPOINT_KEY]) == 2 and last._generators_note == "every rank's at that step"
+
+
+def test_rank_1_reads_every_rank_from_its_mirror_once_the_job_store_is_gone() -> None:
+    """Under Lightning's launchers the job's store lives in rank 0's process: rank 0 lost takes it along, and
+    rank 1, which writes the last checkpoint then, reads its peers from the mirror it hosts."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    toward = ("127.0.0.1", server.port)
+    clients = [connect_store("127.0.0.1", server.port, "job/", op_timeout_s=1.0) for _ in range(3)]
+    ranks = [WindowGenerators(client, rank, 3, mirror_toward=toward) for rank, client in enumerate(clients)]
+    expected = []
+    for rank, generators in enumerate(ranks):
+        torch.manual_seed(20 + rank), np.random.seed(20 + rank), random.seed(20 + rank)
+        generators.keep(7)
+        expected.append(_draws())
+    assert all(generators.flush() for generators in ranks)  # to the job's store and, but rank 1, to the mirror
+    assert ranks[0].every_rank()[0] is not None  # rank 0 (rank 1 lost) reads the job's store, not the mirror
+    del server  # rank 0's process, and the job's store with it, is gone
+    states, why = ranks[1].every_rank()
+    assert states is not None and why == ""
+    for state, draws in zip(states, expected):
+        set_rng_state(state)
+        assert _same_draws(_draws(), draws)
+    for generators, client in zip(ranks, clients):
+        generators.close()
+        client.close()
+    states, why = ranks[2].every_rank()  # rank 2 would read the job's store: gone
+    assert states is None and why.startswith("the job's store did not give them"), why

@@ -1,0 +1,124 @@
+"""What keeping every rank's random generators for the last checkpoint costs per optimizer step.
+
+With ``exact_resume`` each rank keeps its generators at every point where an accumulation window may
+begin, and threads write them to the job's TCP store and, under Lightning's launchers, to the mirror
+rank 1 hosts (``strategies/window_generators.py``). Two CPU ranks (fork + gloo, 1 thread each) run
+custom_ddp's training step by hand on the quickstart's template net (batch 128 per rank,
+SyncBatchNorm, the bucketed gradient all-reduce, SGD), with a keep at each step's start (where the
+watchdog keeps them: after the previous step's batch) and without, in interleaved rounds: ``off``
+(no keeping), ``store`` (the job's store only: torchrun's agent store) and ``store + mirror`` (the
+job's store and rank 1's mirror: Lightning's launchers). The job's store is a TCP store server in
+the benchmark's own process, as rank 0's would be. A sample is the slowest rank's barrier-aligned
+step time; the cost is its difference to ``off``, and includes the writing threads' competition with
+the step for the interpreter and the core. Also timed on its own, in this process: reading the generators
+(``rng_state``, on the main thread) and encoding them (``encode_rng_state``, on a writing thread)::
+
+    python -m benchmarks.generator_keeping          # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.utils.benchmark
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks import harness
+from benchmarks.launcher import run_workers
+from lit_cifar.nets import TemplateNet
+from parallel.grad_sync import SyncedDataParallel
+from parallel.syncbn import SyncBatchNorm
+from parallel.rng_state import encode_rng_state, rng_state
+from strategies.job_store import connect_store
+from strategies.window_generators import WindowGenerators
+
+MODES = ("off", "store", "store + mirror")
+BATCH = 128
+TITLE = "Cost of keeping every rank's random generators per optimizer step (exact_resume)"
+
+
+def _keepers(rank: int, world_size: int, port: int) -> dict[str, Optional[WindowGenerators]]:
+    """Per mode, this rank's keeper (each on its own store connection and keys)."""
+    job_store = ("127.0.0.1", port)
+    return {"off": None,
+            "store": WindowGenerators(connect_store(*job_store, "store/"), rank, world_size),
+            "store + mirror": WindowGenerators(connect_store(*job_store, "mirror/"), rank, world_size,
+                                               mirror_toward=job_store)}
+
+
+def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: int, steps: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = SyncedDataParallel(SyncBatchNorm.convert(TemplateNet(num_classes=100)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 100, (BATCH,))
+    keepers = _keepers(rank, world_size, port)
+    dist.barrier()  # rank 1's mirror is published before anyone writes to it
+
+    def step(keeper: Optional[WindowGenerators]) -> Callable[[], None]:
+        def run() -> None:
+            if keeper is not None:
+                keeper.keep(0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            model.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+        return run
+
+    times = harness.timed_rounds({mode: step(keeper) for mode, keeper in keepers.items()},
+                                 {"warmup": warmup, "rounds": rounds, "iters": steps})
+    for keeper in keepers.values():
+        if keeper is not None:
+            keeper.close()
+    return times
+
+
+def _measure(warmup: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = run_workers(_steps_worker, 2, args=(server.port, warmup, rounds, steps),
+                               init_file=Path(tmp) / "store", timeout_s=600)
+    return {mode: harness.slowest_rank([times[mode] for times in per_rank]) for mode in MODES}
+
+
+def _time_calls(call: Callable[[], Any], calls: int) -> list[float]:
+    timer = torch.utils.benchmark.Timer("call()", globals={"call": call}, num_threads=1)
+    return [timer.timeit(50).mean for _ in range(calls)]  # a sample: the mean of 50 calls
+
+
+def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per mode: the step against ``off`` (ratio) and the added time per step."""
+    return [row for mode in MODES[1:] for row in (
+        harness.headline_row(f"template net, 2 ranks: step keeping them ({mode}) / off", record["ratio"][mode], "x"),
+        harness.headline_row(f"template net, 2 ranks: added time per step ({mode})", record["cost_s"][mode], "s"))
+    ] + [harness.headline_row(f"{what} (one call)", record["call_s"][what], "s") for what in record["call_s"]]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, rounds, steps, quiet = harness.parse_step_rounds("generator_keeping", __doc__, argv, rounds=20, steps=10,
+                                                           quick=(2, 2))
+    times = _measure(3, rounds, steps)
+    state = rng_state()
+    calls = {"rng_state": _time_calls(rng_state, 40),
+             "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40)}
+    off = times["off"]
+    record = harness.make_record(
+        "generator_keeping", {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}, quiet.finish(), argv,
+        step_s={mode: asdict(harness.median_ci(times[mode])) for mode in MODES},
+        cost_s={mode: asdict(harness.difference_ci(times[mode], off)) for mode in MODES[1:]},
+        ratio={mode: asdict(harness.ratio_ci(times[mode], off)) for mode in MODES[1:]},
+        call_s={what: asdict(harness.median_ci(samples)) for what, samples in calls.items()})
+    record["headline"] = headline(record)
+    body = harness.table(["mode", "step (median [95 % CI])"],
+                         [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES])
+    harness.write_record(args.out, record, harness.report(record, TITLE, ["## Step time", "", *body]))
+    return record
+
+
+if __name__ == "__main__":
+    main()
