@@ -38,8 +38,8 @@ from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
            "fmt_value", "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",
-           "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds",
-           "verdict", "wait_for_quiet", "write_record"]
+           "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table",
+           "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallel.rng_state import RngState
-
 from strategies.elastic_store import uses_shared_agent_store
 from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Heartbeat, Progress
@@ -49,6 +48,7 @@ from strategies.window_generators import WindowGenerators
 __all__ = ["Watchdog"]
 
 log = logging.getLogger(__name__)
+
 
 def _batches_processed(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.total.processed

@@ -83,6 +83,8 @@ class WindowGenerators:
         self._kept: Optional[_Kept] = None  # the newest
         self._stopped = False
         self._changed = threading.Condition()
+        self._encoded: tuple[Optional[_Kept], bytes] = (None, b"")  # the newest kept, as the stores' value
+        self._encoding = threading.Lock()
         self._mirror: Optional[BoundedStore] = None  # rank 1's mirror: its server there, a client elsewhere
         self._read_from, self._read_name = store, "the job's store"  # where the checkpoint's writer reads its peers
         self._destinations = [_Destination("the job's store", lambda: store)]
@@ -171,6 +173,13 @@ class WindowGenerators:
             time.sleep(0.05)
         return None
 
+    def _value(self, kept: _Kept) -> bytes:
+        """``kept`` as a store's value: encoded once, by the first writing thread that needs it."""
+        with self._encoding:
+            if self._encoded[0] is not kept:
+                self._encoded = (kept, _TAG.pack(*kept[0]) + encode_rng_state(kept[1]))
+            return self._encoded[1]
+
     def _write_newest(self, destination: _Destination) -> None:
         while True:
             with self._changed:
@@ -182,7 +191,7 @@ class WindowGenerators:
             try:
                 destination.store = destination.store or destination.open()
                 if destination.store is not None:
-                    destination.store.set(_key(self._rank), _TAG.pack(*kept[0]) + encode_rng_state(kept[1]))
+                    destination.store.set(_key(self._rank), self._value(kept))
             except Exception as error:  # noqa: BLE001 - a lost store: the writer finds none and says so
                 log.debug("custom_ddp: rank %d could not write its generators to %s: %s", self._rank,
                           destination.name, error)
