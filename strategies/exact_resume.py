@@ -72,6 +72,21 @@ def _resumed_at(trainer: pl.Trainer, epoch_batches: int | float) -> int:
     return done if 0 < done < epoch_batches else 0
 
 
+def _resumed_before_iterator(trainer: pl.Trainer) -> bool:
+    """The restored loop goes on from where the uninterrupted fit had not made the epoch's training iterator
+    yet, but Lightning made it before the restore: at an epoch's start (after an epoch Lightning counts done,
+    or inside the epoch's first batch). Not after an epoch's last batch that Lightning does not count done yet
+    (a checkpoint written at the validation after it; one from the batch's own end, Lightning 2.6 counts done):
+    the resumed loop finishes that epoch and makes the next one's iterator itself, as the uninterrupted fit
+    did. Ask after the restore."""
+    loop = trainer.fit_loop
+    if _resumed_at(trainer, trainer.num_training_batches):
+        return False
+    epoch = loop.epoch_progress.total
+    after_last_batch = batches_done(loop.epoch_loop.batch_progress) > 0 and epoch.processed < epoch.started
+    return not (loop.restarting and after_last_batch)
+
+
 def _epoch_batches(length: int, limit: int | float) -> int:
     """Training batches per epoch of a loader of ``length`` under ``limit_train_batches``, as Lightning counts."""
     return min(length, limit) if isinstance(limit, int) else int(length * limit)
@@ -154,6 +169,7 @@ class ExactResume:
     _rng_state: Optional[RngState] = None  # this rank's generators from the resumed checkpoint, until on_train_start
     _rng_before_iterator: Optional[RngState] = None  # this fit's, as they were before its first training iterator
     _rng_at_epoch_start: Optional[RngState] = None  # restored at an epoch's start: set again at its first fetch
+    _redraw_at_first_fetch = False  # resumed from an epoch's end: its iterator's base seed drawn at the first fetch
 
     def _fitting_trainer(self) -> Optional[pl.Trainer]:
         """The trainer when this call fits and resumes exactly (``None`` otherwise)."""
@@ -194,18 +210,34 @@ class ExactResume:
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", _FALLBACK)
 
-    def _restore_rng(self) -> None:
+    def _restore_rng(self, remake_iterators: Optional[Callable[[], None]]) -> None:
+        """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators
+        anew (their first pass began too early), before the restore or after it, as the uninterrupted fit
+        drew their base seeds before or after the checkpoint."""
         state, self._rng_state = self._rng_state, None
-        if state is None:
-            return
-        self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if _resumed_at(trainer, trainer.num_training_batches):
-            set_rng_state(state)
+        if state is None or not _resumed_before_iterator(trainer):
+            if remake_iterators is not None:
+                remake_iterators()
+            if state is not None:
+                set_rng_state(state)
+                self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
             return
-        self._start_epoch_from(state)  # the next epoch's iterator came after the checkpoint
+        self._rng_before_iterator = state
+        set_rng_state(state)
+        if remake_iterators is not None:
+            remake_iterators()  # draws the base seed (its workers' too) as the uninterrupted fit did after it
+        elif not self._first_pass_pending():
+            redraw_base_seeds(trainer.train_dataloader)  # that iterator came after the checkpoint
         if _inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
             self._rng_at_epoch_start = state  # see _first_fetch
+        else:
+            self._redraw_at_first_fetch = remake_iterators is None and self._first_pass_pending()
+
+    def _first_pass_pending(self) -> bool:
+        """A training loader's first pass begins at the first fetch (no workers began it): :meth:`_first_fetch`
+        comes after ``on_train_epoch_start``, where the uninterrupted fit made the epoch's iterator."""
+        return any(resume.sampler is not None and not resume.sampler.first_pass_begun for resume in self._resumes)
 
     def _start_epoch_from(self, state: RngState) -> None:
         """The generators as the uninterrupted fit had them after making the epoch's training iterator."""
@@ -214,15 +246,21 @@ class ExactResume:
 
     def _first_fetch(self) -> None:
         """A resumed epoch's first training batch is about to be read (a loader without workers begins its
-        first pass then; one with workers began it before the restore). Resuming at an epoch's first batch
-        from a checkpoint written inside that batch (the watchdog's last one), Lightning 2.6 makes the
-        validation loaders' iterators in between (its fast-forward of a validation it counts as due at
-        batch -1; each iterator draws a base seed), which the uninterrupted fit did not: the generators are
-        set again as :meth:`_restore_rng` set them. (From an epoch's end, the validation Lightning runs
-        there is one the uninterrupted fit ran too.)"""
+        first pass then; one with workers began it before the restore).
+
+        From an epoch's end, the uninterrupted fit made the next epoch's iterator here, after
+        ``on_train_epoch_start`` (whose draws the resumed fit makes again, from the restored generators): its
+        base seed is drawn now. Resuming at an epoch's first batch from a checkpoint written inside that batch
+        (the watchdog's last one), Lightning 2.6 makes the validation loaders' iterators in between (its
+        fast-forward of a validation it counts as due at batch -1; each iterator draws a base seed), which the
+        uninterrupted fit did not: the generators are set again as :meth:`_restore_rng` set them. (From an
+        epoch's end, the validation Lightning runs there is one the uninterrupted fit ran too.)"""
         state, self._rng_at_epoch_start = self._rng_at_epoch_start, None
+        redraw, self._redraw_at_first_fetch = self._redraw_at_first_fetch, False
         if state is not None:
             self._start_epoch_from(state)
+        elif redraw:
+            redraw_base_seeds(self.lightning_module.trainer.train_dataloader)  # type: ignore[union-attr]
 
     def generators_at_train_start(self) -> Optional[RngState]:
         """The generators a checkpoint of where training starts must hold (after :meth:`on_train_start`): the
@@ -240,9 +278,8 @@ class ExactResume:
         early = [resume for resume in self._resumes if resume.began_too_early()]
         for resume in early:
             resume.sampler.rewind()  # type: ignore[union-attr]
-        if early:
-            iter(self.lightning_module.trainer.fit_loop._data_fetcher)  # type: ignore[union-attr]
-        self._restore_rng()  # after every iterator of the resumed epoch is made (their draws came before the checkpoint)
+        loop = self.lightning_module.trainer.fit_loop  # type: ignore[union-attr]
+        self._restore_rng((lambda: iter(loop._data_fetcher)) if early else None)  # type: ignore[arg-type]
         super().on_train_start()  # type: ignore[misc]
 
     @override
@@ -255,4 +292,5 @@ class ExactResume:
     @override
     def teardown(self) -> None:
         self._resumes, self._rng_state, self._rng_before_iterator, self._rng_at_epoch_start = (), None, None, None
+        self._redraw_at_first_fetch = False
         super().teardown()  # type: ignore[misc]

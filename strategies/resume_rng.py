@@ -17,15 +17,19 @@ resumed fits draw from the restart's seed.
   everything Lightning restores, before the first batch. By then Lightning has made the resumed
   epoch's training iterator, which draws its workers' base seed (one int64, made by every
   ``DataLoader`` iterator, workers or not) from torch's generator. The interrupted fit drew that
-  number before a mid-epoch checkpoint, so nothing more is needed there; a checkpoint from an epoch's
-  end came before the next epoch's iterator, so after restoring, that draw is made again
-  (:func:`redraw_base_seeds`) and the resumed fit's next draw is the interrupted fit's.
-- **Not restored**: draws in ``DataLoader`` workers (each worker's generator is seeded from that base
-  seed, drawn before the restore), draws a module makes in ``on_train_epoch_start`` of the resumed
-  epoch (Lightning calls it on resuming after the restore, not where the interrupted fit called it),
-  and generators a program owns. A checkpoint without states (another strategy's, a last
-  checkpoint, ``exact_resume=False``) or from another number of ranks resumes with this run's
-  generators and says so.
+  number before a mid-epoch checkpoint, so nothing more is needed there. A checkpoint from an epoch's
+  end came before the next epoch's iterator, made after that epoch's ``on_train_epoch_start``: without
+  workers, the draw is made again at the first fetch (:func:`redraw_base_seeds`, after the hook; for a
+  loader ``exact_resume`` did not rebuild, at ``on_train_start``); with workers, a rebuilt loader's
+  iterator is made anew after the restore (:mod:`strategies.exact_resume`), from the restored
+  generators, so the workers' own draws repeat too (when the hook draws nothing).
+- **Not restored**: draws in ``DataLoader`` workers resuming mid-epoch (the skipped batches' draws are
+  not made) or from a checkpoint at an epoch's last batch's end (Lightning 2.6 counts the epoch done
+  and skips the validation after it, whose iterator drew a number), draws in ``on_train_epoch_start``
+  resuming from the watchdog's last checkpoint within an epoch's first window (kept before the hook,
+  which Lightning does not call again mid-epoch), and generators a program owns. A checkpoint without
+  states (another strategy's, a last checkpoint, ``exact_resume=False``) or from another number of
+  ranks resumes with this run's generators and says so.
 """
 
 from __future__ import annotations

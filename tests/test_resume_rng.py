@@ -2,8 +2,9 @@
 
 The module draws from every default generator in its training step (dropout and ``torch.randn``,
 ``np.random``, ``random``), each rank from its own streams, and its dataset adds noise when a sample
-is read (in the main process; in workers it reads without noise: worker draws are not restored). The truth is the uninterrupted fit with the same
-strategy; a resume under Lightning's ``ddp`` (which saves no generator) shows that the check can fail.
+is read (in the main process, or in workers: their draws repeat on resuming at an epoch's end, not
+mid-epoch). The truth is the uninterrupted fit with the same strategy; a resume under Lightning's
+``ddp`` (which saves no generator) shows that the check can fail.
 """
 
 from __future__ import annotations
@@ -81,15 +82,20 @@ class Stochastic(pl.LightningModule):
 
 
 def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None,
-         callbacks: tuple[pl.Callback, ...] = ()) -> list[dict]:
+         callbacks: tuple[pl.Callback, ...] = (), module: type[Stochastic] = Stochastic) -> list[dict]:
     out.mkdir(parents=True)
     checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
-                   ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)]
+                   ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1),
+                   # At epoch 0's last batch: at the validation's end after it, and at its end (step 3)
+                   ModelCheckpoint(dirpath=out / "ckpt", filename="val_end_{epoch}", monitor="val_loss", save_top_k=-1,
+                                   save_on_train_epoch_end=False),
+                   ModelCheckpoint(dirpath=out / "ckpt", filename="batch_end_{step}", every_n_train_steps=3,
+                                   save_top_k=-1)]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
                          accumulate_grad_batches=ACCUMULATE, callbacks=[*checkpoints, *callbacks],
                          enable_progress_bar=False,
                          enable_model_summary=False)
-    trainer.fit(Stochastic(out, workers, noise), ckpt_path=ckpt_path)
+    trainer.fit(module(out, workers, noise), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
@@ -117,9 +123,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize("workers, noise, checkpoint", [
     (0, True, "step=2.ckpt"),  # mid-epoch 0: the sample noise drawn in the main process repeats too
     (0, True, "epoch=0.ckpt"),  # the next epoch's iterator drew its base seed after the checkpoint
+    (0, True, "val_end_epoch=0.ckpt"),  # the loop finishes epoch 0 and makes epoch 1's iterator itself
+    (0, True, "batch_end_step=3.ckpt"),  # the same, from epoch 0's last batch
     (1, False, "step=4.ckpt"),  # mid-epoch 1, a worker: its base seed drawn before the checkpoint
-    (1, False, "epoch=0.ckpt"),
-], ids=["main_mid_epoch", "main_epoch_end", "worker_mid_epoch", "worker_epoch_end"])
+    (1, True, "epoch=0.ckpt"),  # the iterator made anew after the restore: the workers' draws repeat too
+    (1, True, "val_end_epoch=0.ckpt"),
+], ids=["main_mid_epoch", "main_epoch_end", "main_val_end", "main_last_batch_end", "worker_mid_epoch",
+        "worker_epoch_end", "worker_val_end"])
 def test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_and_ends_bitwise(
         tmp_path: Path, uninterrupted: Any, workers: int, noise: bool, checkpoint: str) -> None:
     out, truth = uninterrupted(workers, noise)
@@ -133,6 +143,31 @@ def test_ddp_resumes_with_the_restarts_generators(tmp_path: Path, uninterrupted:
     out, truth = uninterrupted(0, True)
     ddp = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
     assert not _same(_fit(ddp, tmp_path / "ddp", 0, True, out / "ckpt" / "epoch=0.ckpt"), truth)
+
+
+class EpochScale(Stochastic):
+    """A random loss scale drawn in ``on_train_epoch_start``, each rank its own."""
+
+    epoch_scale = 1.0
+
+    def on_train_epoch_start(self) -> None:
+        self.epoch_scale = 1.0 + float(torch.rand(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.epoch_scale * super().training_step(batch, batch_idx)
+
+
+@pytest.mark.distributed
+def test_draws_in_on_train_epoch_start_repeat_after_a_resume(tmp_path: Path) -> None:
+    """From an epoch's end, the resumed fit calls the next epoch's ``on_train_epoch_start`` before it makes
+    that epoch's iterator, as the uninterrupted fit did: the base seed is drawn at the first fetch, not at
+    ``on_train_start``. (Resuming mid-epoch, Lightning does not call the hook again: what a module sets
+    there is its own state to keep.)"""
+    truth = _fit(_custom(), tmp_path / "truth", 0, True, module=EpochScale)
+    for checkpoint in ("epoch=0.ckpt", "val_end_epoch=0.ckpt"):
+        resumed = _fit(_custom(), tmp_path / checkpoint, 0, True, tmp_path / "truth" / "ckpt" / checkpoint,
+                       module=EpochScale)
+        assert _same(resumed, truth), checkpoint
 
 
 class _FirstBatchGenerator(pl.Callback):
