@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["PATTERNS", "TrainingPattern", "WORLD_SIZE"]
 
@@ -309,6 +309,32 @@ class DropoutResumedAtEpochEnd(DropoutResumedMidEpoch):
     resume_after_steps = 4
 
 
+class _NoisyReads(Dataset):
+    """``samples`` with fresh noise from torch's generator at every read (a random augmentation)."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.samples[index]
+        return inputs + 0.1 * torch.randn(inputs.shape), targets
+
+
+class WorkerNoiseResumedAtEpochEnd(DropoutResumedAtEpochEnd):
+    """Noise drawn in a DataLoader worker, seeded from the base seed its iterator drew from the rank's
+    generator: a resume repeats it only if it makes that iterator from the interrupted fit's generator
+    (which dropout has moved on from the restart's)."""
+
+    label = "Dropout and noise drawn in a DataLoader worker, interrupted after epoch 0's last step and resumed"
+
+    def train_dataloader(self) -> DataLoader:
+        loader = super().train_dataloader()
+        return DataLoader(_NoisyReads(loader.dataset), batch_size=loader.batch_size, num_workers=1)
+
+
 PATTERNS: dict[str, type[TrainingPattern]] = {
     "after_backward": AfterBackwardClamp, "after_manual_backward": ManualBackwardRescale,
     "non_bn_buffer": NonBatchNormBuffer, "local_batchnorm": LocalBatchNorm,
@@ -320,6 +346,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
     "dropout_resumed_mid_epoch": DropoutResumedMidEpoch, "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
+    "worker_noise_resumed_at_epoch_end": WorkerNoiseResumedAtEpochEnd,
 }
 
 
