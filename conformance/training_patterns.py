@@ -1,15 +1,8 @@
 """Training patterns Lightning users write every day, for the training conformance table and its tests.
 
-Each pattern is a small :class:`TrainingPattern` (a LightningModule) trained on 32 fixed samples.
-The data is sharded by hand (run with ``use_distributed_sampler=False``): rank r of W trains on
-samples r, r+W, ... in batches of 4, and one process trains on batches of 4 * W, so global batch t
-of the ranks is batch t of one process. ``truth`` names what a pattern's result is defined by: one
-process on the global batch, or Lightning's ``ddp`` where the per-rank state is part of the
-semantics (buffers updated from each rank's own data, local BatchNorm), or, for a pattern that is
-interrupted after ``resume_after_steps`` optimizer steps and resumed from the checkpoint written
-there, the same strategy's uninterrupted fit. ``ddp_options`` /
-``custom_options`` are strategy arguments; ``ddp_options = None``: ``ddp`` cannot run the pattern.
-The modules know nothing about the strategy.
+Each is a :class:`~conformance.training_base.TrainingPattern` that changes one thing of a small
+regression (:mod:`conformance.training_base` says how the data is sharded and what ``truth`` means);
+the resumed ones are in :mod:`conformance.resume_patterns`. :data:`PATTERNS` names them all.
 """
 
 from __future__ import annotations
@@ -22,59 +15,11 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["PATTERNS", "TrainingPattern", "WORLD_SIZE"]
+from conformance.resume_patterns import DropoutResumedAtEpochEnd, DropoutResumedMidEpoch, WorkerNoiseResumedAtEpochEnd
+from conformance.training_base import OUTPUTS, TrainingPattern, mlp
 
-WORLD_SIZE = 2
-NUM_SAMPLES, BATCH_SIZE, FEATURES, OUTPUTS = 32, 4, 6, 3
-
-
-def _mlp(batchnorm: bool = False) -> nn.Sequential:
-    norm = nn.BatchNorm1d(8) if batchnorm else nn.Identity()
-    return nn.Sequential(nn.Linear(FEATURES, 8), norm, nn.Tanh(), nn.Linear(8, OUTPUTS))
-
-
-class TrainingPattern(pl.LightningModule):
-    """Regression with an MLP and momentum SGD; subclasses change one thing each."""
-
-    label: ClassVar[str] = "plain MLP, SGD"
-    truth: ClassVar[str] = "one_process"
-    max_epochs: ClassVar[int] = 1
-    trainer_options: ClassVar[dict[str, Any]] = {}
-    ddp_options: ClassVar[dict[str, Any] | None] = {}
-    custom_options: ClassVar[dict[str, Any]] = {}
-    slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
-    resume_after_steps: ClassVar[int | None] = None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = self.build()
-        generator = torch.Generator().manual_seed(1)
-        self.inputs = torch.randn(NUM_SAMPLES, FEATURES, generator=generator)
-        self.targets = torch.randn(NUM_SAMPLES, OUTPUTS, generator=generator)
-        self.records: dict[str, list[Any]] = {}  # saved with the final state, per rank
-
-    def build(self) -> nn.Module:
-        return _mlp()
-
-    def callbacks(self) -> list[pl.Callback]:
-        return []
-
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.net(inputs), targets)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.loss(*batch)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        samples = list(zip(self.inputs, self.targets))[rank::world_size]
-        return DataLoader(samples, batch_size=BATCH_SIZE * WORLD_SIZE // world_size)
+__all__ = ["PATTERNS"]
 
 
 class AfterBackwardClamp(TrainingPattern):
@@ -122,7 +67,7 @@ class NonBatchNormBuffer(TrainingPattern):
     truth = "ddp"
 
     def build(self) -> nn.Module:
-        return nn.Sequential(RunningScale(), _mlp())
+        return nn.Sequential(RunningScale(), mlp())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         # What this step's forward reads: rank 0's value under ddp and custom_ddp.
@@ -136,7 +81,7 @@ class LocalBatchNorm(TrainingPattern):
     custom_options = {"sync_batchnorm": False}
 
     def build(self) -> nn.Module:
-        return _mlp(batchnorm=True)
+        return mlp(batchnorm=True)
 
 
 class SparseEmbeddingSGD(TrainingPattern):
@@ -171,7 +116,7 @@ class UnfreezeInHook(TrainingPattern):
     max_epochs = 2
 
     def build(self) -> nn.Module:
-        net = _mlp()
+        net = mlp()
         net[0].requires_grad_(False)
         return net
 
@@ -273,7 +218,7 @@ class Float64Parameters(TrainingPattern):
     label = "float64 parameters"
 
     def build(self) -> nn.Module:
-        return _mlp().double()
+        return mlp().double()
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.net(inputs.double()), targets.double())
@@ -287,52 +232,6 @@ class DoubleBackward(TrainingPattern):
         outputs = self.net(inputs)
         (input_grad,) = torch.autograd.grad(outputs.sum(), inputs, create_graph=True)
         return F.mse_loss(outputs, targets) + 0.1 * input_grad.pow(2).mean()
-
-
-class DropoutResumedMidEpoch(TrainingPattern):
-    """Dropout, each rank its own stream: a resume repeats the fit only if it repeats every rank's draws."""
-
-    label = "Dropout, interrupted mid-epoch (step 3 of 4) and resumed from that checkpoint"
-    truth = "uninterrupted"
-    max_epochs = 2
-    resume_after_steps = 3
-
-    def build(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, OUTPUTS))
-
-    def setup(self, stage: str) -> None:
-        torch.manual_seed(10 + self.global_rank)
-
-
-class DropoutResumedAtEpochEnd(DropoutResumedMidEpoch):
-    label = "Dropout, interrupted after epoch 0's last step and resumed from that checkpoint"
-    resume_after_steps = 4
-
-
-class _NoisyReads(Dataset):
-    """``samples`` with fresh noise from torch's generator at every read (a random augmentation)."""
-
-    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.samples[index]
-        return inputs + 0.1 * torch.randn(inputs.shape), targets
-
-
-class WorkerNoiseResumedAtEpochEnd(DropoutResumedAtEpochEnd):
-    """Noise drawn in a DataLoader worker, seeded from the base seed its iterator drew from the rank's
-    generator: a resume repeats it only if it makes that iterator from the interrupted fit's generator
-    (which dropout has moved on from the restart's)."""
-
-    label = "Dropout and noise drawn in a DataLoader worker, interrupted after epoch 0's last step and resumed"
-
-    def train_dataloader(self) -> DataLoader:
-        loader = super().train_dataloader()
-        return DataLoader(_NoisyReads(loader.dataset), batch_size=loader.batch_size, num_workers=1)
 
 
 PATTERNS: dict[str, type[TrainingPattern]] = {
@@ -359,7 +258,7 @@ class CompiledSyncBatchNorm(TrainingPattern):
         # Inductor's pool of compile workers hangs in ranks started with fork (seen with custom_ddp; ddp
         # errors out): compile in the rank's own process (TORCHINDUCTOR_COMPILE_THREADS=1 does the same).
         torch._inductor.config.compile_threads = 1
-        return torch.compile(_mlp(batchnorm=True))
+        return torch.compile(mlp(batchnorm=True))
 
 
 class CompiledLocalBatchNorm(CompiledSyncBatchNorm):

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from conformance.training_patterns import WORLD_SIZE, TrainingPattern
+from conformance.training_base import WORLD_SIZE, TrainingPattern
 from strategies.custom_ddp import CustomDDPStrategy
 
 __all__ = ["SETTINGS", "compare", "fit_pattern"]

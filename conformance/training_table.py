@@ -22,7 +22,8 @@ import torch
 
 from measure.run_info import environment
 from conformance.table import REPO_ROOT, outcome_of, write_tables
-from conformance.training_patterns import PATTERNS, TrainingPattern
+from conformance.training_base import TrainingPattern
+from conformance.training_patterns import PATTERNS
 from conformance.training_runs import compare, fit_pattern
 
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "training"
