@@ -170,6 +170,22 @@ def test_draws_in_on_train_epoch_start_repeat_after_a_resume(tmp_path: Path) -> 
         assert _same(resumed, truth), checkpoint
 
 
+class PersistentWorkers(Stochastic):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Noisy(False), batch_size=BATCH, shuffle=True, num_workers=1, persistent_workers=True)
+
+
+@pytest.mark.distributed
+def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) -> None:
+    """Persistent workers keep one iterator for the whole fit: later epochs draw no base seed, and neither
+    may the resume (on ee06279 it drew one, shifting every later draw)."""
+    truth = _fit(_custom(), tmp_path / "truth", 1, False, module=PersistentWorkers)
+    for checkpoint in ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"):
+        resumed = _fit(_custom(), tmp_path / checkpoint, 1, False, tmp_path / "truth" / "ckpt" / checkpoint,
+                       module=PersistentWorkers)
+        assert _same(resumed, truth), checkpoint
+
+
 class _FirstBatchGenerator(pl.Callback):
     """Each rank's torch generator as its first training batch starts, saved in ``out``."""
 

@@ -111,7 +111,7 @@ def test_rank_1_reads_every_rank_from_its_mirror_once_the_job_store_is_gone() ->
     rank 1, which writes the last checkpoint then, reads its peers from the mirror it hosts."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     toward = ("127.0.0.1", server.port)
-    clients = [connect_store("127.0.0.1", server.port, "job/", op_timeout_s=1.0) for _ in range(3)]
+    clients = [connect_store("127.0.0.1", server.port, "job/", op_timeout_s=5.0) for _ in range(3)]
     ranks = [WindowGenerators(client, rank, 3, mirror_toward=toward) for rank, client in enumerate(clients)]
     expected = []
     for rank, generators in enumerate(ranks):
