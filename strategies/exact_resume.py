@@ -143,6 +143,8 @@ class _Resume:
 
     def check(self, epoch: int, batch_idx: int) -> None:
         """At the resumed fit's first training batch (``batch_idx``: where Lightning's loop goes on)."""
+        if self.reason is None and self.done is None:
+            return  # set up again before the first batch (reload_dataloaders_every_n_epochs): never iterated
         if self.reason is not None:
             if batch_idx > 0:
                 rank_zero_warn(f"custom_ddp: resuming epoch {epoch} at batch {batch_idx}, but the training loader is "

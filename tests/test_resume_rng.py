@@ -82,7 +82,8 @@ class Stochastic(pl.LightningModule):
 
 
 def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None,
-         callbacks: tuple[pl.Callback, ...] = (), module: type[Stochastic] = Stochastic) -> list[dict]:
+         callbacks: tuple[pl.Callback, ...] = (), module: type[Stochastic] = Stochastic,
+         **trainer_options: Any) -> list[dict]:
     out.mkdir(parents=True)
     checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
                    ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1),
@@ -93,8 +94,7 @@ def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | 
                                    save_top_k=-1)]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
                          accumulate_grad_batches=ACCUMULATE, callbacks=[*checkpoints, *callbacks],
-                         enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, **trainer_options)
     trainer.fit(module(out, workers, noise), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
@@ -183,6 +183,18 @@ def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) ->
     for checkpoint in ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"):
         resumed = _fit(_custom(), tmp_path / checkpoint, 1, False, tmp_path / "truth" / "ckpt" / checkpoint,
                        module=PersistentWorkers)
+        assert _same(resumed, truth), checkpoint
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loaders_reloaded_every_epoch_resume_bitwise(tmp_path: Path, workers: int) -> None:
+    """``reload_dataloaders_every_n_epochs=1``: the loader set up before the restore is replaced before the
+    first batch (on ee06279 its never-iterated first pass failed the first-batch check from an epoch's end)."""
+    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, reload_dataloaders_every_n_epochs=1)
+    for checkpoint in ("epoch=0.ckpt", "step=2.ckpt", "step=4.ckpt"):
+        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
+                       tmp_path / "truth" / "ckpt" / checkpoint, reload_dataloaders_every_n_epochs=1)
         assert _same(resumed, truth), checkpoint
 
 
