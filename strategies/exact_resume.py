@@ -28,7 +28,8 @@ restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -92,6 +93,12 @@ def _epoch_batches(length: int, limit: int | float) -> int:
     return min(length, limit) if isinstance(limit, int) else int(length * limit)
 
 
+def _several_loaders(trainer: pl.Trainer) -> bool:
+    """Whether the fit trains on more than one loader (a list or dict of them, cycled to the longest)."""
+    loaders = trainer.train_dataloader
+    return isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
+
+
 def _not_by_index(dataloader: object, trainer: pl.Trainer) -> Optional[str]:
     """Why ``dataloader`` cannot resume by index, or ``None``."""
     batching = index_batching(dataloader)
@@ -112,6 +119,7 @@ class _Resume:
         self.done: Optional[int] = None  # batches of the epoch the first pass left out (None: not begun)
         self.restored = False  # whether the loop's state had been restored when the first pass began
         self.pass_epoch: Optional[int] = None  # the epoch whose order the first pass took
+        self.counted_alone = False  # the first pass counted the epoch's batches from this loader alone
         self.sampler: Optional[ResumeSampler] = None
         self.before_first_pass: Optional[Callable[[], None]] = None  # called as the first pass begins
 
@@ -123,17 +131,25 @@ class _Resume:
         return self._trainer.fit_loop.epoch_loop.batch_progress.total.ready > 0
 
     def began_too_early(self) -> bool:
-        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet), or
-        in the epoch before (from an epoch's end, Lightning makes the iterator before it counts the epoch done)."""
+        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet), in
+        the epoch before (from an epoch's end, Lightning makes the iterator before it counts the epoch done), or
+        before Lightning counted the epoch's batches while there are several loaders to count."""
         return self.done is not None and ((not self.restored and self._loaded())
-                                          or self.pass_epoch != self._trainer.current_epoch)
+                                          or self.pass_epoch != self._trainer.current_epoch
+                                          or (self.counted_alone and _several_loaders(self._trainer)))
 
     def first_pass_skip(self) -> int:
         """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
         if self.before_first_pass is not None:
             self.before_first_pass()
         self.restored, self.pass_epoch = self._loaded(), self._trainer.current_epoch
-        self.done = _resumed_at(self._trainer, _epoch_batches(self._length, self._trainer.limit_train_batches))
+        # The epoch's batches are the combined loader's (a shorter loader is cycled within it). Lightning counts
+        # them after making the iterator, whose workers begin the pass: this loader's count stands in for them.
+        epoch_batches = self._trainer.num_training_batches
+        self.counted_alone = not math.isfinite(epoch_batches)
+        if self.counted_alone:
+            epoch_batches = _epoch_batches(self._length, self._trainer.limit_train_batches)
+        self.done = _resumed_at(self._trainer, epoch_batches)
         if self.done:
             rank_zero_info(f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
                            "training loader leaves out the batches the interrupted epoch trained (exact_resume; "

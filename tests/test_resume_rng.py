@@ -198,6 +198,29 @@ def test_loaders_reloaded_every_epoch_resume_bitwise(tmp_path: Path, workers: in
         assert _same(resumed, truth), checkpoint
 
 
+class TwoLoaders(Stochastic):
+    """A dict of two training loaders; Lightning cycles the shorter (3 batches) within the 6-batch epoch."""
+
+    def train_dataloader(self) -> dict[str, DataLoader]:
+        return {"a": DataLoader(Noisy(self.noise), batch_size=BATCH, shuffle=True, num_workers=self.workers),
+                "b": DataLoader(Noisy(self.noise), batch_size=2 * BATCH, shuffle=True, num_workers=self.workers)}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [0, 1])
+def test_two_loaders_resume_bitwise_past_the_shorter_ones_length(tmp_path: Path, workers: int) -> None:
+    """Resumed at batch 4, the 3-batch loader is 1 batch into its second pass (on the previous tree it
+    counted the epoch from its own length, skipped nothing, and failed the first-batch check)."""
+    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, module=TwoLoaders)
+    for checkpoint in ("step=2.ckpt", "epoch=0.ckpt", "val_end_epoch=0.ckpt"):
+        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
+                       tmp_path / "truth" / "ckpt" / checkpoint, module=TwoLoaders)
+        assert _same(resumed, truth), checkpoint
+
+
 class _FirstBatchGenerator(pl.Callback):
     """Each rank's torch generator as its first training batch starts, saved in ``out``."""
 
