@@ -26,12 +26,12 @@ resumed fits draw from the restart's seed.
 - **Not restored**: draws in persistent workers (their streams run on across epochs; their one iterator
   draws no base seed after the first epoch, and a resume none either), draws in ``DataLoader`` workers
   resuming mid-epoch (the skipped batches' draws are not made) or from a checkpoint at an epoch's last
-  batch's end (Lightning 2.6 counts the epoch done and skips the validation after it, whose iterator
-  drew a number), draws in ``on_train_epoch_start`` resuming from the watchdog's last checkpoint within
-  an epoch's first window (kept before the hook, which Lightning does not call again mid-epoch), and
-  generators a program owns. A checkpoint without states (another strategy's, a last checkpoint,
-  ``exact_resume=False``) or from another number of ranks resumes with this run's generators and says
-  so.
+  batch's end (Lightning 2.6 counts the epoch done and skips the validation after it: one draw stands in
+  for its iterator's, exact for one validation loader, one draw off when no validation was due), draws
+  in ``on_train_epoch_start`` resuming from the watchdog's last checkpoint within an epoch's first
+  window (kept before the hook, which Lightning does not call again mid-epoch), and generators a program
+  owns. A checkpoint without states (another strategy's, a last checkpoint, ``exact_resume=False``) or
+  from another number of ranks resumes with this run's generators and says so.
 """
 
 from __future__ import annotations
