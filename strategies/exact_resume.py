@@ -234,15 +234,15 @@ class ExactResume:
         drew their base seeds before or after the checkpoint."""
         state, self._rng_state = self._rng_state, None
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if state is None or not _resumed_before_iterator(trainer):
-            if remake_iterators is not None:
-                remake_iterators()
-            if state is not None:
-                set_rng_state(state)
-                self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
+        before_iterator = state is not None and _resumed_before_iterator(trainer)
+        if remake_iterators is not None and not before_iterator:
+            remake_iterators()  # mid-epoch: the interrupted fit drew their base seeds before the checkpoint
+        if state is None:
             return
-        self._rng_before_iterator = state
         set_rng_state(state)
+        self._rng_before_iterator = state  # the interrupted fit's, where the resumed loop goes on
+        if not before_iterator:
+            return
         if remake_iterators is not None:
             remake_iterators()  # draws the base seed (its workers' too) as the uninterrupted fit did after it
         elif not self._first_pass_pending():

@@ -107,6 +107,16 @@ def _same(resumed: list[dict], truth: list[dict]) -> bool:
     return all(torch.equal(resumed[rank][name], value) for rank in range(2) for name, value in truth[rank].items())
 
 
+def _assert_resumes_bitwise(tmp_path: Path, workers: int, checkpoints: tuple[str, ...], **fit_options: Any) -> None:
+    """An uninterrupted fit, then one resumed from each of its ``checkpoints``: each ends bitwise as it
+    (noise in the main process when there are no workers)."""
+    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, **fit_options)
+    for checkpoint in checkpoints:
+        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
+                       tmp_path / "truth" / "ckpt" / checkpoint, **fit_options)
+        assert _same(resumed, truth), checkpoint
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     runs: dict[tuple[int, bool], tuple[Path, list[dict]]] = {}
@@ -163,11 +173,7 @@ def test_draws_in_on_train_epoch_start_repeat_after_a_resume(tmp_path: Path) -> 
     that epoch's iterator, as the uninterrupted fit did: the base seed is drawn at the first fetch, not at
     ``on_train_start``. (Resuming mid-epoch, Lightning does not call the hook again: what a module sets
     there is its own state to keep.)"""
-    truth = _fit(_custom(), tmp_path / "truth", 0, True, module=EpochScale)
-    for checkpoint in ("epoch=0.ckpt", "val_end_epoch=0.ckpt"):
-        resumed = _fit(_custom(), tmp_path / checkpoint, 0, True, tmp_path / "truth" / "ckpt" / checkpoint,
-                       module=EpochScale)
-        assert _same(resumed, truth), checkpoint
+    _assert_resumes_bitwise(tmp_path, 0, ("epoch=0.ckpt", "val_end_epoch=0.ckpt"), module=EpochScale)
 
 
 class PersistentWorkers(Stochastic):
@@ -179,11 +185,8 @@ class PersistentWorkers(Stochastic):
 def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) -> None:
     """Persistent workers keep one iterator for the whole fit: later epochs draw no base seed, and neither
     may the resume (on ee06279 it drew one, shifting every later draw)."""
-    truth = _fit(_custom(), tmp_path / "truth", 1, False, module=PersistentWorkers)
-    for checkpoint in ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"):
-        resumed = _fit(_custom(), tmp_path / checkpoint, 1, False, tmp_path / "truth" / "ckpt" / checkpoint,
-                       module=PersistentWorkers)
-        assert _same(resumed, truth), checkpoint
+    _assert_resumes_bitwise(tmp_path, 1, ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"),
+                            module=PersistentWorkers)
 
 
 @pytest.mark.distributed
@@ -191,11 +194,8 @@ def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) ->
 def test_loaders_reloaded_every_epoch_resume_bitwise(tmp_path: Path, workers: int) -> None:
     """``reload_dataloaders_every_n_epochs=1``: the loader set up before the restore is replaced before the
     first batch (on ee06279 its never-iterated first pass failed the first-batch check from an epoch's end)."""
-    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, reload_dataloaders_every_n_epochs=1)
-    for checkpoint in ("epoch=0.ckpt", "step=2.ckpt", "step=4.ckpt"):
-        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
-                       tmp_path / "truth" / "ckpt" / checkpoint, reload_dataloaders_every_n_epochs=1)
-        assert _same(resumed, truth), checkpoint
+    _assert_resumes_bitwise(tmp_path, workers, ("epoch=0.ckpt", "step=2.ckpt", "step=4.ckpt"),
+                            reload_dataloaders_every_n_epochs=1)
 
 
 class TwoLoaders(Stochastic):
@@ -214,11 +214,8 @@ class TwoLoaders(Stochastic):
 def test_two_loaders_resume_bitwise_past_the_shorter_ones_length(tmp_path: Path, workers: int) -> None:
     """Resumed at batch 4, the 3-batch loader is 1 batch into its second pass (on the previous tree it
     counted the epoch from its own length, skipped nothing, and failed the first-batch check)."""
-    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, module=TwoLoaders)
-    for checkpoint in ("step=2.ckpt", "epoch=0.ckpt", "val_end_epoch=0.ckpt"):
-        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
-                       tmp_path / "truth" / "ckpt" / checkpoint, module=TwoLoaders)
-        assert _same(resumed, truth), checkpoint
+    _assert_resumes_bitwise(tmp_path, workers, ("step=2.ckpt", "epoch=0.ckpt", "val_end_epoch=0.ckpt"),
+                            module=TwoLoaders)
 
 
 class _FirstBatchGenerator(pl.Callback):
