@@ -21,82 +21,33 @@ bookkeeping moved raises there instead of silently training batches twice.
 It applies to a torch ``DataLoader`` (not a subclass) over a map-style dataset, batched by torch's
 ``BatchSampler``, whose sampler repeats its order in the resumed run: the ``DistributedSampler``
 Lightning injects (its order is a function of seed and epoch) or a ``SequentialSampler``. Any other
-loader starts the epoch over as under ``ddp``, with a warning at the first batch. The resumed epoch
+loader starts the epoch over as under ``ddp``, with a warning at the first batch, except one resumable the
+way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``): Lightning
+loads its position from the checkpoint, and it is left as it is. The bookkeeping of where the restored
+loop goes on is :mod:`strategies.resume_progress`. The resumed epoch
 also draws the same random numbers: every checkpoint saved while fitting holds every rank's generators,
 restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
 from parallel.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
-from strategies.loaders import index_batching, with_sampler
+from strategies.loaders import index_batching, keeps_its_position, with_sampler
+from strategies.resume_progress import FALLBACK, LoaderResume, inside_a_batch, resumed_at, resumed_before_iterator
 from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
-__all__ = ["ExactResume", "batches_done"]
+__all__ = ["ExactResume"]
 
-_FALLBACK = "pass CustomDDPStrategy(exact_resume=False) to keep your loader (the epoch then starts over)"
 _REPEATABLE_ORDER = (DistributedSampler, SequentialSampler)
-
-
-def batches_done(progress: Any) -> int:
-    """Batches of the interrupted epoch that Lightning's loop counts as trained when it resumes from
-    ``progress`` (the restored ``fit_loop.epoch_loop.batch_progress``): it goes on at that batch index."""
-    total = progress.total
-    # Saved at a batch's end (ModelCheckpoint, a signal's stop): the batch is processed but not yet
-    # counted completed, and the restarted loop counts it done (Lightning's RESTARTED_ON_TRAIN_BATCH_END).
-    at_batch_end = total.ready == total.started == total.processed == total.completed + 1
-    return progress.current.completed + int(at_batch_end)
-
-
-def _inside_a_batch(progress: Any) -> bool:
-    """The checkpoint was written inside a training batch, before it was processed (the watchdog's last one,
-    :mod:`strategies.last_checkpoint`): the restored loop begins that batch again."""
-    return progress.total.ready == progress.total.started == progress.total.processed + 1
-
-
-def _resumed_at(trainer: pl.Trainer, epoch_batches: int | float) -> int:
-    """The batch index inside an epoch of ``epoch_batches`` where the restored loop goes on; 0 at an
-    epoch's start (a fresh fit, or a checkpoint from an epoch's end). Ask after the restore."""
-    loop = trainer.fit_loop
-    done = batches_done(loop.epoch_loop.batch_progress) if loop.restarting else 0
-    return done if 0 < done < epoch_batches else 0
-
-
-def _resumed_before_iterator(trainer: pl.Trainer) -> bool:
-    """The restored loop goes on from where the uninterrupted fit had not made the epoch's training iterator
-    yet, but Lightning made it before the restore: at an epoch's start (after an epoch Lightning counts done,
-    or inside the epoch's first batch). Not after an epoch's last batch that Lightning does not count done yet
-    (a checkpoint written at the validation after it; one from the batch's own end, Lightning 2.6 counts done):
-    the resumed loop finishes that epoch and makes the next one's iterator itself, as the uninterrupted fit
-    did. Ask after the restore."""
-    loop = trainer.fit_loop
-    if _resumed_at(trainer, trainer.num_training_batches):
-        return False
-    epoch = loop.epoch_progress.total
-    after_last_batch = batches_done(loop.epoch_loop.batch_progress) > 0 and epoch.processed < epoch.started
-    return not (loop.restarting and after_last_batch)
-
-
-def _epoch_batches(length: int, limit: int | float) -> int:
-    """Training batches per epoch of a loader of ``length`` under ``limit_train_batches``, as Lightning counts."""
-    return min(length, limit) if isinstance(limit, int) else int(length * limit)
-
-
-def _several_loaders(trainer: pl.Trainer) -> bool:
-    """Whether the fit trains on more than one loader (a list or dict of them, cycled to the longest)."""
-    loaders = trainer.train_dataloader
-    return isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
 
 
 def _not_by_index(dataloader: object, trainer: pl.Trainer) -> Optional[str]:
@@ -111,68 +62,6 @@ def _not_by_index(dataloader: object, trainer: pl.Trainer) -> Optional[str]:
     return "overfit_batches" if trainer.overfit_batches > 0 else None
 
 
-class _Resume:
-    """One training loader of a resumed fit: how far its first pass skipped, checked at the first batch."""
-
-    def __init__(self, trainer: pl.Trainer, length: int, batch_size: int, reason: Optional[str]) -> None:
-        self._trainer, self._length, self._batch_size, self.reason = trainer, length, batch_size, reason
-        self.done: Optional[int] = None  # batches of the epoch the first pass left out (None: not begun)
-        self.restored = False  # whether the loop's state had been restored when the first pass began
-        self.pass_epoch: Optional[int] = None  # the epoch whose order the first pass took
-        self.counted_alone = False  # the first pass counted the epoch's batches from this loader alone
-        self.sampler: Optional[ResumeSampler] = None
-        self.before_first_pass: Optional[Callable[[], None]] = None  # called as the first pass begins
-
-    def epoch(self) -> int:
-        return self._trainer.current_epoch
-
-    def _loaded(self) -> bool:
-        # The checkpoint's loop state is in: one written after any training batch counts some.
-        return self._trainer.fit_loop.epoch_loop.batch_progress.total.ready > 0
-
-    def began_too_early(self) -> bool:
-        """The first pass began before the checkpoint was restored (its epoch and skip were not known yet), in
-        the epoch before (from an epoch's end, Lightning makes the iterator before it counts the epoch done), or
-        before Lightning counted the epoch's batches while there are several loaders to count."""
-        return self.done is not None and ((not self.restored and self._loaded())
-                                          or self.pass_epoch != self._trainer.current_epoch
-                                          or (self.counted_alone and _several_loaders(self._trainer)))
-
-    def first_pass_skip(self) -> int:
-        """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
-        if self.before_first_pass is not None:
-            self.before_first_pass()
-        self.restored, self.pass_epoch = self._loaded(), self._trainer.current_epoch
-        # The epoch's batches are the combined loader's (a shorter loader is cycled within it). Lightning counts
-        # them after making the iterator, whose workers begin the pass: this loader's count stands in for them.
-        epoch_batches = self._trainer.num_training_batches
-        self.counted_alone = not math.isfinite(epoch_batches)
-        if self.counted_alone:
-            epoch_batches = _epoch_batches(self._length, self._trainer.limit_train_batches)
-        self.done = _resumed_at(self._trainer, epoch_batches)
-        if self.done:
-            rank_zero_info(f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
-                           "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
-                           "Lightning's warning that the loader is not resumable does not apply)")
-        # A shorter loader, cycled within the epoch, is that far into its current pass.
-        return (self.done % self._length) * self._batch_size if self.done else 0
-
-    def check(self, epoch: int, batch_idx: int) -> None:
-        """At the resumed fit's first training batch (``batch_idx``: where Lightning's loop goes on)."""
-        if self.reason is None and self.done is None:
-            return  # set up again before the first batch (reload_dataloaders_every_n_epochs): never iterated
-        if self.reason is not None:
-            if batch_idx > 0:
-                rank_zero_warn(f"custom_ddp: resuming epoch {epoch} at batch {batch_idx}, but the training loader is "
-                               f"{self.reason}, which cannot resume by index: it starts the epoch over, as under ddp "
-                               f"(its first {batch_idx} batches are trained again).")
-        elif batch_idx != self.done:
-            raise RuntimeError(
-                f"custom_ddp: the training loader resumed epoch {epoch} at batch {self.done}, but Lightning's loop "
-                f"resumed at batch {batch_idx}: its restart bookkeeping differs from this version's (Lightning "
-                f"{pl.__version__}). {_FALLBACK}.")
-
-
 class ExactResume:
     """Strategy hooks of exact mid-epoch resume; mix in before ``DDPStrategy`` (module docstring).
 
@@ -183,7 +72,7 @@ class ExactResume:
     lightning_module: Optional[pl.LightningModule]
     global_rank: int
     world_size: int
-    _resumes: tuple[_Resume, ...] = ()  # this resumed fit's training loaders, until its first batch
+    _resumes: tuple[LoaderResume, ...] = ()  # this resumed fit's training loaders, until its first batch
     _rng_state: Optional[RngState] = None  # this rank's generators from the resumed checkpoint, until on_train_start
     _rng_before_iterator: Optional[RngState] = None  # this fit's, as they were before its first training iterator
     _rng_at_epoch_start: Optional[RngState] = None  # restored at an epoch's start: set again at its first fetch
@@ -215,18 +104,18 @@ class ExactResume:
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._rng_before_iterator = rng_state()  # Lightning makes the epoch's iterator right after this hook
-        if not trainer.ckpt_path:
-            return dataloader
+        if not trainer.ckpt_path or keeps_its_position(dataloader):
+            return dataloader  # a resumable loader: Lightning loads its position from the checkpoint
         reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
         if reason is not None:
-            self._resumes += (_Resume(trainer, 0, 0, reason),)
+            self._resumes += (LoaderResume(trainer, 0, 0, reason),)
             return dataloader
         batching = index_batching(dataloader)
-        resume = _Resume(trainer, len(dataloader), batching[0], None)
+        resume = LoaderResume(trainer, len(dataloader), batching[0], None)
         resume.sampler = ResumeSampler(dataloader.sampler, resume.first_pass_skip, resume.epoch)
         resume.before_first_pass = self._first_fetch
         self._resumes += (resume,)
-        return with_sampler(dataloader, resume.sampler, batching, "training loader", _FALLBACK)
+        return with_sampler(dataloader, resume.sampler, batching, "training loader", FALLBACK)
 
     def _restore_rng(self, remake_iterators: Optional[Callable[[], None]]) -> None:
         """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators
@@ -234,7 +123,7 @@ class ExactResume:
         drew their base seeds before or after the checkpoint."""
         state, self._rng_state = self._rng_state, None
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        before_iterator = state is not None and _resumed_before_iterator(trainer)
+        before_iterator = state is not None and resumed_before_iterator(trainer)
         if remake_iterators is not None and not before_iterator:
             remake_iterators()  # mid-epoch: the interrupted fit drew their base seeds before the checkpoint
         if state is None:
@@ -247,7 +136,7 @@ class ExactResume:
             remake_iterators()  # draws the base seed (its workers' too) as the uninterrupted fit did after it
         elif not self._first_pass_pending():
             redraw_base_seeds(trainer.train_dataloader)  # that iterator came after the checkpoint
-        if _inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
+        if inside_a_batch(trainer.fit_loop.epoch_loop.batch_progress):
             self._rng_at_epoch_start = state  # see _first_fetch
         else:
             self._redraw_at_first_fetch = remake_iterators is None and self._first_pass_pending()
@@ -287,7 +176,7 @@ class ExactResume:
         trainer = self._fitting_trainer()
         if trainer is None:
             return None
-        return rng_state() if _resumed_at(trainer, trainer.num_training_batches) else self._rng_before_iterator
+        return rng_state() if resumed_at(trainer, trainer.num_training_batches) else self._rng_before_iterator
 
     @override
     def on_train_start(self) -> None:

@@ -14,12 +14,19 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-__all__ = ["index_batching", "with_sampler"]
+__all__ = ["index_batching", "keeps_its_position", "with_sampler"]
 
 # DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
 _KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                      "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
                      "pin_memory_device", "in_order")
+
+
+def keeps_its_position(dataloader: object) -> bool:
+    """Whether ``dataloader`` is resumable the way Lightning's docs ask: ``state_dict`` and ``load_state_dict``
+    (torchdata's ``StatefulDataLoader``). Lightning saves that state in every checkpoint and loads it on
+    resuming, so the loader goes on where it stopped by itself. Duck-typed as Lightning's own check is."""
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
 def index_batching(dataloader: object) -> tuple[int, bool] | str:

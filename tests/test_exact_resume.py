@@ -7,6 +7,8 @@ epoch over) is run too, to show that the check can fail.
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 
-from parallel.resume_sampler import ResumeSampler
 from strategies.custom_ddp import CustomDDPStrategy
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
@@ -171,65 +172,6 @@ def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
     assert not torch.equal(resumed[0]["state"]["net.weight"], truth[0]["state"]["net.weight"])
 
 
-def test_resume_sampler_leaves_out_the_first_indices_of_its_first_pass_only() -> None:
-    sampler = ResumeSampler(SequentialSampler(range(10)), skip=4)
-    assert len(sampler) == 10 and not sampler.first_pass_begun
-    assert list(sampler) == [4, 5, 6, 7, 8, 9]
-    assert list(sampler) == list(range(10)) and sampler.first_pass_begun
-    sampler.rewind()  # an iterator made too early: the next pass is a first pass again
-    assert list(sampler) == [4, 5, 6, 7, 8, 9]
-
-
-def test_resume_sampler_asks_for_skip_and_epoch_when_its_first_pass_begins() -> None:
-    from torch.utils.data import DistributedSampler
-
-    inner = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=3)
-    state = {"skip": 0, "epoch": 0}
-    sampler = ResumeSampler(inner, lambda: state["skip"], lambda: state["epoch"])
-    state.update(skip=2, epoch=5)  # the checkpoint is restored after the loader was set up
-    inner.set_epoch(5)
-    expected = list(inner)
-    inner.set_epoch(0)
-    assert list(sampler) == expected[2:]  # epoch 5's order, without a set_epoch call before the pass
-    sampler.set_epoch(6)
-    inner_epoch6 = list(inner)
-    assert list(sampler) == inner_epoch6
-
-
-@pytest.mark.parametrize("skip", [-1, 1.5, True])
-def test_resume_sampler_rejects_a_bad_skip(skip: Any) -> None:
-    with pytest.raises(ValueError, match="skip=.* must be an int >= 0"):
-        ResumeSampler(SequentialSampler(range(3)), skip=skip)
-
-
-def _progress(ready: int, processed: int, completed: int) -> Any:
-    from lightning.pytorch.loops.progress import _BatchProgress
-
-    progress = _BatchProgress()
-    for tracker in (progress.total, progress.current):
-        tracker.ready = tracker.started = ready
-        tracker.processed, tracker.completed = processed, completed
-    return progress
-
-
-def test_batches_done_counts_a_batch_saved_at_its_end_as_lightning_resumes_it() -> None:
-    from strategies.exact_resume import batches_done
-
-    assert batches_done(_progress(ready=4, processed=4, completed=3)) == 4  # ModelCheckpoint / a signal's stop
-    assert batches_done(_progress(ready=4, processed=3, completed=3)) == 3  # mid-batch: batch 3 is trained again
-    assert batches_done(_progress(ready=4, processed=4, completed=4)) == 4  # after the batch (validation's end)
-
-
-def test_a_loop_that_resumes_elsewhere_than_the_loader_raises_at_the_first_batch() -> None:
-    from strategies.exact_resume import _Resume
-
-    resume = _Resume(None, length=6, batch_size=4, reason=None)  # type: ignore[arg-type]
-    resume.done = 3
-    with pytest.raises(RuntimeError, match="resumed epoch 1 at batch 3, but Lightning's loop resumed at batch 2"):
-        resume.check(1, 2)
-    resume.check(1, 3)
-
-
 class ReversedOrder(torch.utils.data.Sampler):
     """A sampler of the user's own (Lightning wraps it in a DistributedSamplerWrapper)."""
 
@@ -268,3 +210,50 @@ def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning
                                          "DistributedSamplerWrapper, which cannot resume by index"):
         resumed = _fit_here(OwnSampler(tmp_path), out / "ckpt" / "step=4.ckpt")
     assert resumed["seen"][(1, 2)] == fresh["seen"][(1, 0)]  # batch index 2 got the epoch's first batch, as under ddp
+
+
+class PositionLoader(DataLoader):
+    """A loader resumable the way Lightning's docs ask (``state_dict``/``load_state_dict``, as torchdata's
+    ``StatefulDataLoader``): it keeps its position in the epoch and, after ``load_state_dict``, goes on there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = self._resume_at = 0
+
+    def __iter__(self) -> Any:
+        self._position, self._resume_at = self._resume_at, 0
+        for batch in itertools.islice(super().__iter__(), self._position, None):
+            self._position += 1
+            yield batch
+        self._position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = state["position"]
+
+
+class Resumable(Recorder):
+    def train_dataloader(self) -> DataLoader:
+        return PositionLoader(Indexed(), batch_size=BATCH, shuffle=True)
+
+
+@pytest.mark.distributed
+def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Lightning loads a resumable loader's position from the checkpoint: it is neither rebuilt nor warned
+    about (it does not start the epoch over), on 2 ranks and in one process."""
+    truth = _fit(_custom(), tmp_path / "full", module=Resumable)
+    checkpoint = tmp_path / "full" / "ckpt" / "step=4.ckpt"
+    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Resumable)
+    for rank in range(2):
+        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
+        assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    (tmp_path / "here").mkdir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        here = _fit_here(Resumable(tmp_path / "here"), checkpoint)  # 12 batches per epoch in one process
+    assert not [warning for warning in caught if "starts the epoch over" in str(warning.message)]
+    assert sorted(here["seen"]) == [(1, batch) for batch in range(2, 12)]  # on from rank 0's position
