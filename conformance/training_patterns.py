@@ -12,8 +12,10 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (BackboneFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging,
+                                         WeightAveraging)
 from torch import nn
+from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 from conformance.resume_patterns import DropoutResumedAtEpochEnd, DropoutResumedMidEpoch, WorkerNoiseResumedAtEpochEnd
@@ -200,6 +202,22 @@ class SWA(TrainingPattern):
         return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
 
 
+class EMA(TrainingPattern):
+    label = "WeightAveraging as an EMA (decay 0.9, every step)"
+    max_epochs = 2
+
+    def callbacks(self) -> list[pl.Callback]:
+        return [WeightAveraging(avg_fn=get_ema_avg_fn(0.9))]
+
+
+class EMAOverSyncBatchNorm(EMA):
+    label = "WeightAveraging EMA of a BatchNorm1d net (running statistics averaged too), sync_batchnorm=True"
+    ddp_options = None  # torch's SyncBatchNorm is CUDA-only: ddp cannot run it on CPU
+
+    def build(self) -> nn.Module:
+        return mlp(batchnorm=True)
+
+
 class ActivationCheckpointing(TrainingPattern):
     label = "activation checkpointing (torch.utils.checkpoint, use_reentrant=False)"
     reentrant: ClassVar[bool] = False
@@ -240,7 +258,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "sparse_embedding_sgd": SparseEmbeddingSGD, "sparse_embedding_bag_adam": SparseEmbeddingBagAdam,
     "unfreeze_in_hook": UnfreezeInHook, "unfreeze_in_training_step": UnfreezeInTrainingStep, "freeze_again": FreezeAgain, "backbone_finetuning": BackboneUnfreeze,
     "clip_with_accumulation": ClipWithAccumulation, "manual_optimization": ManualOptimization,
-    "unused_parameters": UnusedParameters, "accumulation_schedule": AccumulationSchedule, "swa": SWA,
+    "unused_parameters": UnusedParameters, "accumulation_schedule": AccumulationSchedule, "swa": SWA, "ema": EMA, "ema_syncbn": EMAOverSyncBatchNorm,
     "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
