@@ -21,12 +21,13 @@ bookkeeping moved raises there instead of silently training batches twice.
 It applies to a torch ``DataLoader`` (not a subclass) over a map-style dataset, batched by torch's
 ``BatchSampler``, whose sampler repeats its order in the resumed run: the ``DistributedSampler``
 Lightning injects (its order is a function of seed and epoch) or a ``SequentialSampler``. Any other
-loader starts the epoch over as under ``ddp``, with a warning at the first batch, except one resumable the
-way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``): Lightning
-loads its position from the checkpoint, and it is left as it is. The bookkeeping of where the restored
-loop goes on is :mod:`strategies.resume_progress`. The resumed epoch
-also draws the same random numbers: every checkpoint saved while fitting holds every rank's generators,
-restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
+loader starts the epoch over as under ``ddp``, with a warning at the first batch, except one resumable
+the way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``):
+Lightning loads its position from the checkpoint, and it is left as it is but for its sampler's epoch,
+set to the restored one at once (Lightning sets it after making the iterator, whose workers draw
+indices at once). The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
+The resumed epoch also draws the same random numbers: every checkpoint saved while fitting holds every
+rank's generators, restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing_extensions import override
 
 from parallel.resume_sampler import ResumeSampler
 from parallel.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
-from strategies.loaders import index_batching, keeps_its_position, with_sampler
+from strategies.loaders import index_batching, keeps_its_position, set_sampler_epoch, with_sampler
 from strategies.resume_progress import FALLBACK, LoaderResume, inside_a_batch, resumed_at, resumed_before_iterator
 from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
@@ -104,8 +105,12 @@ class ExactResume:
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._rng_before_iterator = rng_state()  # Lightning makes the epoch's iterator right after this hook
-        if not trainer.ckpt_path or keeps_its_position(dataloader):
-            return dataloader  # a resumable loader: Lightning loads its position from the checkpoint
+        if not trainer.ckpt_path:
+            return dataloader
+        if keeps_its_position(dataloader):  # a resumable loader: Lightning loads its position from the checkpoint
+            # and makes its iterator before it sets the sampler's epoch (with workers, indices are drawn at once)
+            set_sampler_epoch(dataloader, trainer.current_epoch)
+            return dataloader
         reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
         if reason is not None:
             self._resumes += (LoaderResume(trainer, 0, 0, reason),)

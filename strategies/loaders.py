@@ -14,7 +14,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-__all__ = ["index_batching", "keeps_its_position", "with_sampler"]
+__all__ = ["index_batching", "keeps_its_position", "set_sampler_epoch", "with_sampler"]
 
 # DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
 _KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -27,6 +27,16 @@ def keeps_its_position(dataloader: object) -> bool:
     (torchdata's ``StatefulDataLoader``). Lightning saves that state in every checkpoint and loads it on
     resuming, so the loader goes on where it stopped by itself. Duck-typed as Lightning's own check is."""
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's, those that have it."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = {id(sampler): sampler for sampler in (getattr(dataloader, "sampler", None),
+                                                      getattr(batch_sampler, "sampler", None))}
+    for sampler in samplers.values():
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
 
 
 def index_batching(dataloader: object) -> tuple[int, bool] | str:

@@ -214,7 +214,8 @@ def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning
 
 class PositionLoader(DataLoader):
     """A loader resumable the way Lightning's docs ask (``state_dict``/``load_state_dict``, as torchdata's
-    ``StatefulDataLoader``): it keeps its position in the epoch and, after ``load_state_dict``, goes on there."""
+    ``StatefulDataLoader``): it keeps its position in the epoch and, after ``load_state_dict``, goes on there.
+    Like torchdata's, it makes its iterator when iterated (with workers, they draw indices at once)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,7 +223,10 @@ class PositionLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self._position, self._resume_at = self._resume_at, 0
-        for batch in itertools.islice(super().__iter__(), self._position, None):
+        return self._from_position(super().__iter__())
+
+    def _from_position(self, batches: Any) -> Any:
+        for batch in itertools.islice(batches, self._position, None):
             self._position += 1
             yield batch
         self._position = 0
@@ -235,22 +239,32 @@ class PositionLoader(DataLoader):
 
 
 class Resumable(Recorder):
+    workers = 0
+
     def train_dataloader(self) -> DataLoader:
-        return PositionLoader(Indexed(), batch_size=BATCH, shuffle=True)
+        return PositionLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=self.workers)
+
+
+class ResumableWorkers(Resumable):
+    workers = 1
 
 
 @pytest.mark.distributed
 def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwise(tmp_path: Path) -> None:
     """Lightning loads a resumable loader's position from the checkpoint: it is neither rebuilt nor warned
-    about (it does not start the epoch over), on 2 ranks and in one process."""
-    truth = _fit(_custom(), tmp_path / "full", module=Resumable)
+    about (it does not start the epoch over). Lightning makes its iterator before it sets the sampler's epoch,
+    and a worker draws the indices at once: the restored epoch is set first (``ddp`` trains epoch 0's order)."""
+    truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers)
     checkpoint = tmp_path / "full" / "ckpt" / "step=4.ckpt"
-    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Resumable)
+    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers)
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
+               ResumableWorkers)
     for rank in range(2):
         seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
         assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
         for name, value in truth[rank]["state"].items():
             assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    assert ddp[0]["seen"][(1, 2)] != truth[0]["seen"][(1, 2)]  # what the check above would catch
     (tmp_path / "here").mkdir()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
