@@ -24,8 +24,7 @@ Lightning injects (its order is a function of seed and epoch) or a ``SequentialS
 loader starts the epoch over as under ``ddp``, with a warning at the first batch, except one resumable
 the way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``):
 Lightning loads its position from the checkpoint, and it is left as it is but for its sampler's epoch,
-set to the restored one at once (Lightning sets it after making the iterator, whose workers draw
-indices at once). The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
+set at once to the one Lightning sets after making the iterator, whose workers draw indices at once. The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
 The resumed epoch also draws the same random numbers: every checkpoint saved while fitting holds every
 rank's generators, restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 """
@@ -108,8 +107,9 @@ class ExactResume:
         if not trainer.ckpt_path:
             return dataloader
         if keeps_its_position(dataloader):  # a resumable loader: Lightning loads its position from the checkpoint
-            # and makes its iterator before it sets the sampler's epoch (with workers, indices are drawn at once)
-            set_sampler_epoch(dataloader, trainer.current_epoch)
+            # and makes its iterator before it sets the sampler's epoch (with workers, indices are drawn at once):
+            # the epoch Lightning sets next (one past an epoch that ended, after the restore), set now
+            set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
             return dataloader
         reason = _not_by_index(dataloader, trainer) if hasattr(dataloader, "__len__") else "of unknown length"
         if reason is not None:

@@ -271,3 +271,20 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
         here = _fit_here(Resumable(tmp_path / "here"), checkpoint)  # 12 batches per epoch in one process
     assert not [warning for warning in caught if "starts the epoch over" in str(warning.message)]
     assert sorted(here["seen"]) == [(1, batch) for batch in range(2, 12)]  # on from rank 0's position
+
+
+@pytest.mark.distributed
+def test_a_loader_that_keeps_its_position_resumed_from_an_epochs_end_trains_the_next_epochs_order(
+        tmp_path: Path) -> None:
+    """From an epoch's end the epoch Lightning sets next is one past the restored one (``ddp``'s worker draws
+    the finished epoch's order again)."""
+    truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers, by_epoch=True)
+    checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
+    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers, by_epoch=True)
+    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
+               ResumableWorkers, by_epoch=True)
+    for rank in range(2):
+        assert resumed[rank]["seen"] == {key: value for key, value in truth[rank]["seen"].items() if key[0] == 1}
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
