@@ -24,7 +24,8 @@ Lightning injects (its order is a function of seed and epoch) or a ``SequentialS
 loader starts the epoch over as under ``ddp``, with a warning at the first batch, except one resumable
 the way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``):
 Lightning loads its position from the checkpoint, and it is left as it is but for its sampler's epoch,
-set at once to the one Lightning sets after making the iterator, whose workers draw indices at once. The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
+set at once to the one Lightning sets after making the iterator, whose workers draw indices at once.
+The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
 The resumed epoch also draws the same random numbers: every checkpoint saved while fitting holds every
 rank's generators, restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
 """

@@ -30,7 +30,8 @@ def keeps_its_position(dataloader: object) -> bool:
 
 
 def set_sampler_epoch(dataloader: object, epoch: int) -> None:
-    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's, those that have it."""
+    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's, those that have it (as Lightning's
+    loop does at an epoch's start; its helper for that is private)."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     samplers = {id(sampler): sampler for sampler in (getattr(dataloader, "sampler", None),
                                                       getattr(batch_sampler, "sampler", None))}

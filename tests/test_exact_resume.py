@@ -85,6 +85,17 @@ def _custom() -> CustomDDPStrategy:
     return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
 
 
+def _assert_trained_the_rest_bitwise(resumed: list[dict[str, Any]], truth: list[dict[str, Any]],
+                                     first: tuple[int, int]) -> None:
+    """Each rank trained the uninterrupted fit's batches from ``first`` (epoch, batch index) on, each once with
+    the same samples, and ends with its weights, bitwise."""
+    for rank in range(2):
+        expected = {key: value for key, value in truth[rank]["seen"].items() if key >= first}
+        assert resumed[rank]["seen"] == expected, f"rank {rank}"
+        for name, value in truth[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
@@ -97,12 +108,7 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_a
         tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int) -> None:
     out, truth = uninterrupted
     resumed = _fit(_custom(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
-    for rank in range(2):
-        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
-        assert seen == {key: value for key, value in expected.items() if key in seen}, f"rank {rank}"
-        assert len(seen) == {2: 2 * 6 - 4, 4: 6 - 2}[step]  # the batches after the checkpoint, each once
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    _assert_trained_the_rest_bitwise(resumed, truth, {2: (0, 4), 4: (1, 2)}[step])  # after the checkpoint
 
 
 class OneCycle(Recorder):
@@ -138,11 +144,7 @@ def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise
     or before ``set_epoch`` (every resumed fit). The resumed epoch's samples, in its order, each once."""
     truth = _fit(_custom(), tmp_path / "full", module=module)
     resumed = _fit(_custom(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module)
-    for rank in range(2):
-        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
-        assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
 
 
 @pytest.mark.distributed
@@ -154,10 +156,7 @@ def test_a_fit_resumed_from_an_epochs_end_with_workers_trains_the_next_epochs_or
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Workers, by_epoch=True)
     ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint, Workers,
                by_epoch=True)
-    for rank in range(2):
-        assert resumed[rank]["seen"] == {key: value for key, value in truth[rank]["seen"].items() if key[0] == 1}
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
     assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
 
 
@@ -259,11 +258,7 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers)
     ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
                ResumableWorkers)
-    for rank in range(2):
-        seen, expected = resumed[rank]["seen"], truth[rank]["seen"]
-        assert seen == {key: value for key, value in expected.items() if key in seen} and len(seen) == 4
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
     assert ddp[0]["seen"][(1, 2)] != truth[0]["seen"][(1, 2)]  # what the check above would catch
     (tmp_path / "here").mkdir()
     with warnings.catch_warnings(record=True) as caught:
@@ -283,8 +278,5 @@ def test_a_loader_that_keeps_its_position_resumed_from_an_epochs_end_trains_the_
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers, by_epoch=True)
     ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
                ResumableWorkers, by_epoch=True)
-    for rank in range(2):
-        assert resumed[rank]["seen"] == {key: value for key, value in truth[rank]["seen"].items() if key[0] == 1}
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
+    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
     assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
