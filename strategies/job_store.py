@@ -31,6 +31,10 @@ import torch.distributed as dist
 __all__ = ["STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store"]
 
 STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
+# torch 2.14's store client now and then stalls a new connection for 5 s, then connects (measured on loopback:
+# one client in 25 to one server, one server in 51 made in a row; plain sockets never): a server's connection
+# to itself, never a dead host, waits that long, so it gets longer than the stall.
+_OWN_SERVER_CONNECT_S = 10.0
 
 
 class StoreUnanswered(RuntimeError):
@@ -169,5 +173,7 @@ def host_store(reachable_from: tuple[str, int], prefix: str,
     puts them), as a :class:`BoundedStore` (the server ends when that is closed), and the ``host:port`` at which
     processes that reach ``reachable_from`` (the job's store) reach it."""
     host = _address_toward(*reachable_from)
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=op_timeout_s))
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=max(op_timeout_s, _OWN_SERVER_CONNECT_S)))
+    server.set_timeout(timedelta(seconds=op_timeout_s))
     return BoundedStore(lambda: dist.PrefixStore(prefix, server), op_timeout_s), f"{host}:{server.port}"
