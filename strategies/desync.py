@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from measure.run_info import display_path
-from strategies.job_store import connect_store
+from strategies.job_store import CONNECT_S, connect_store
 
 __all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "report_desync"]
 
@@ -62,6 +62,7 @@ _SOURCES = (
     ("parallel/zero.py", "", "ZeRO-1 optimizer"),
 )
 _STORE_WAIT_S = 3.0
+_CONNECT_WAIT_S = CONNECT_S  # a healthy store can take a name lookup's timeout to accept (strategies.job_store)
 
 
 def enable_desync_check() -> None:
@@ -136,11 +137,12 @@ def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Op
     """Every rank's line through the job's TCP store (rank 0 waits up to 3 s); ``None`` if unreachable.
 
     The store is the rendezvous server every rank already talks to; it is not a collective, so a
-    desynchronised process group cannot hang it, and a stopped store host cannot either (every store
-    call ends within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the others' lines.
+    desynchronised process group cannot hang it, and a stopped store host cannot either (the connection
+    ends within 12 s, every store call within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the
+    others' lines.
     """
     try:
-        store = connect_store(host, port, "custom_ddp/desync/", op_timeout_s=_STORE_WAIT_S)
+        store = connect_store(host, port, "custom_ddp/desync/", _STORE_WAIT_S, _CONNECT_WAIT_S)
         store.set(str(rank), line)
         if rank != 0:
             return [line]

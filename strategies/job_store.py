@@ -8,8 +8,9 @@ still takes the request's bytes, and ``check``, ``get`` and ``multi_get`` wait f
 there decides nothing, and a stopped rank 0 hung the whole job (fault matrix row ``sigstop_rank0_train``).
 
 :class:`BoundedStore` connects and runs the client's operations on one worker thread, in call order,
-and waits at most ``op_timeout_s`` for each (the connection too: c10d's constructor also waits for
-good on a stopped host, measured above 60 s with a 5 s timeout). An operation that does not finish in time raises
+and waits at most ``op_timeout_s`` for each, and ``connect_timeout_s`` for the connection (c10d's
+constructor also waits for good on a stopped host, measured above 60 s with a 5 s timeout; a healthy
+host can take one name lookup's timeout, :data:`CONNECT_S`). An operation that does not finish in time raises
 :class:`StoreUnanswered`, which says since when the store has not answered; while the worker is
 still stuck in it, every further call raises at once (queuing more would only pile up behind it). A
 call given up before it started never runs. When the host answers again, the worker goes on.
@@ -28,13 +29,16 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store"]
+__all__ = ["CONNECT_S", "STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store",
+           "serve_store"]
 
 STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
-# torch 2.14's store client now and then stalls a new connection for 5 s, then connects (measured on loopback:
-# one client in 25 to one server, one server in 51 made in a row; plain sockets never): a server's connection
-# to itself, never a dead host, waits that long, so it gets longer than the stall.
-_OWN_SERVER_CONNECT_S = 10.0
+# A new connection can wait on two reverse name lookups: c10d's client looks up the address it connects to, and
+# the server the peer it accepted (on its one loop thread), each a PTR query when /etc/hosts does not answer (it
+# never does for the IPv4-mapped IPv6 addresses c10d uses, ::ffff:127.0.0.1 included). A resolver that drops the
+# query costs its timeout, 5 s by glibc's default (measured: this sandbox's resolver drops one query in 25-50, and
+# a connection then took 5.0 s). So a connection gets longer than two lookups' worst, then ``op_timeout_s``.
+CONNECT_S = 12.0
 
 
 class StoreUnanswered(RuntimeError):
@@ -91,9 +95,11 @@ class BoundedStore:
     """The store ``connect()`` returns, made on the worker thread: its ``set``/``get``/``check``/
     ``multi_get``/``compare_set``, each answered or raising :class:`StoreUnanswered` within
     ``op_timeout_s`` (see the module docstring). Thread-safe. The constructor raises what
-    ``connect`` raises, or :class:`StoreUnanswered` when it does not return in time."""
+    ``connect`` raises, or :class:`StoreUnanswered` when it does not return within ``connect_timeout_s``
+    (``None``: ``op_timeout_s``)."""
 
-    def __init__(self, connect: Callable[[], dist.Store], op_timeout_s: float = STORE_OP_S) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], op_timeout_s: float = STORE_OP_S,
+                 connect_timeout_s: Optional[float] = None) -> None:
         self._timeout = op_timeout_s
         self._lane = _Lane()
         # A daemon thread holding the client, not this object: dropping this object ends it too.
@@ -101,7 +107,7 @@ class BoundedStore:
         worker.start()
         self._close = weakref.finalize(self, self._lane.calls.put, None)
         try:
-            self._call("connect")
+            self._call("connect", timeout_s=op_timeout_s if connect_timeout_s is None else connect_timeout_s)
         except BaseException:
             self.close()  # the worker ends once the connection returns, if it ever does
             raise
@@ -125,7 +131,7 @@ class BoundedStore:
         """Let the worker end once its calls are done: the client's connection closes with it."""
         self._close()
 
-    def _call(self, operation: str, *args: Any) -> Any:
+    def _call(self, operation: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
         lane = self._lane
         with lane.lock:
             stuck = lane.running
@@ -133,7 +139,7 @@ class BoundedStore:
                 raise StoreUnanswered(stuck.operation, stuck.started)
             call = _Call(operation, args)
             lane.calls.put(call)
-        if not call.done.wait(self._timeout):
+        if not call.done.wait(self._timeout if timeout_s is None else timeout_s):
             with lane.lock:
                 call.abandoned = True  # skipped if it has not started
                 running = lane.running
@@ -145,15 +151,17 @@ class BoundedStore:
         return call.result
 
 
-def connect_store(host: str, port: int, prefix: str, op_timeout_s: float = STORE_OP_S) -> BoundedStore:
+def connect_store(host: str, port: int, prefix: str, op_timeout_s: float = STORE_OP_S,
+                  connect_timeout_s: float = CONNECT_S) -> BoundedStore:
     """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``;
-    raises :class:`StoreUnanswered` when the host does not accept it within ``op_timeout_s``."""
+    raises :class:`StoreUnanswered` when the host does not accept it within ``connect_timeout_s``."""
 
     def connect() -> dist.Store:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=op_timeout_s))
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
+        store.set_timeout(timedelta(seconds=op_timeout_s))
         return dist.PrefixStore(prefix, store)
 
-    return BoundedStore(connect, op_timeout_s)
+    return BoundedStore(connect, op_timeout_s, connect_timeout_s)
 
 
 def _address_toward(host: str, port: int) -> str:
@@ -167,13 +175,20 @@ def _address_toward(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+def serve_store(host: str, op_timeout_s: float = STORE_OP_S) -> dist.TCPStore:
+    """A new TCP store server in this process at ``host``, on a free port: its own client connection gets
+    :data:`CONNECT_S`, then its operations ``op_timeout_s``."""
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=max(op_timeout_s, CONNECT_S)))
+    server.set_timeout(timedelta(seconds=op_timeout_s))
+    return server
+
+
 def host_store(reachable_from: tuple[str, int], prefix: str,
                op_timeout_s: float = STORE_OP_S) -> tuple[BoundedStore, str]:
     """A new TCP store server in this process, on a free port, keys under ``prefix`` (as :func:`connect_store`
     puts them), as a :class:`BoundedStore` (the server ends when that is closed), and the ``host:port`` at which
     processes that reach ``reachable_from`` (the job's store) reach it."""
     host = _address_toward(*reachable_from)
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=max(op_timeout_s, _OWN_SERVER_CONNECT_S)))
-    server.set_timeout(timedelta(seconds=op_timeout_s))
+    server = serve_store(host, op_timeout_s)
     return BoundedStore(lambda: dist.PrefixStore(prefix, server), op_timeout_s), f"{host}:{server.port}"

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-import torch.distributed as dist
 from jsonargparse import Namespace
 from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,7 +29,7 @@ from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from parallel.buckets import Bucket
 from strategies.heartbeat import Progress, main_thread_state, stack_text
-from strategies.job_store import StoreUnanswered, connect_store
+from strategies.job_store import StoreUnanswered, connect_store, serve_store
 from strategies.last_checkpoint import LastCheckpoint
 from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
@@ -118,7 +116,7 @@ def _outermost_first(frame):
 
 @pytest.fixture
 def store_host():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    server = serve_store("127.0.0.1")
     yield server
     del server
 

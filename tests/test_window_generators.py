@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import pickle
 import random
-from datetime import timedelta
 from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 
 from parallel.rng_state import decode_rng_state, encode_rng_state, rng_state, set_rng_state
-from strategies.job_store import BoundedStore, connect_store
+from strategies.job_store import BoundedStore, connect_store, serve_store
 from strategies.last_checkpoint import LastCheckpoint
 from strategies.resume_rng import CHECKPOINT_KEY
 from strategies.window_generators import WindowGenerators
@@ -47,7 +45,7 @@ def test_an_encoded_state_decodes_to_the_same_draws_and_refuses_anything_but_bui
 
 @pytest.fixture
 def stores() -> Iterator[list[BoundedStore]]:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    server = serve_store("127.0.0.1")
     clients = [connect_store("127.0.0.1", server.port, "job/") for _ in range(3)]
     yield clients
     for client in clients:
@@ -109,7 +107,7 @@ def test_the_last_checkpoint_holds_them_only_when_it_is_the_one_written(stores: 
 def test_rank_1_reads_every_rank_from_its_mirror_once_the_job_store_is_gone() -> None:
     """Under Lightning's launchers the job's store lives in rank 0's process: rank 0 lost takes it along, and
     rank 1, which writes the last checkpoint then, reads its peers from the mirror it hosts."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    server = serve_store("127.0.0.1")
     toward = ("127.0.0.1", server.port)
     clients = [connect_store("127.0.0.1", server.port, "job/", op_timeout_s=5.0) for _ in range(3)]
     ranks = [WindowGenerators(client, rank, 3, mirror_toward=toward) for rank, client in enumerate(clients)]
