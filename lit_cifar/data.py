@@ -15,7 +15,6 @@ recorded as the ``dataset_used`` hyperparameter, so every TensorBoard run shows 
 
 from __future__ import annotations
 
-import socket
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -25,17 +24,16 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import CIFAR100
-from torchvision.datasets.utils import check_integrity
 
+from lit_cifar.cifar_files import download_cifar100, missing_cifar100_error, real_cifar100_present
 from lit_cifar.errors import OptionError
-from lit_cifar.synthetic import SyntheticCIFAR100, is_synthetic, write_synthetic_cifar100
+from lit_cifar.synthetic import SyntheticCIFAR100, write_synthetic_cifar100
 from lit_cifar.transforms import augment, normalize
 
 __all__ = ["CIFAR100DataModule", "TensorImageDataset", "load_split"]
 
 DatasetChoice = Literal["cifar100", "synthetic", "auto"]
 SplitChoice = Literal["test", "val", "train"]
-_DOWNLOAD_TIMEOUT_S = 60.0
 
 
 class TensorImageDataset(Dataset):
@@ -67,53 +65,6 @@ def load_split(root: str | Path, train: bool, synthetic: bool = False) -> Tensor
     raw = dataset_cls(str(root), train=train, download=False)
     images = torch.from_numpy(raw.data).permute(0, 3, 1, 2).contiguous()  # torchvision keeps HWC
     return TensorImageDataset(images, torch.tensor(raw.targets, dtype=torch.long))
-
-
-def _real_file_problems(root: str | Path) -> list[str]:
-    """One line per official file under ``root/cifar-100-python`` that is missing or fails its md5."""
-    folder = Path(root) / CIFAR100.base_folder
-    files = CIFAR100.train_list + CIFAR100.test_list + [[CIFAR100.meta["filename"], CIFAR100.meta["md5"]]]
-    problems = []
-    for name, md5 in files:
-        if not (folder / name).is_file():
-            problems.append(f"{folder / name} is missing")
-        elif not check_integrity(str(folder / name), md5):
-            problems.append(f"{folder / name} is truncated or corrupt (md5 mismatch)")
-    return problems
-
-
-def real_cifar100_present(root: str | Path) -> bool:
-    """Whether the official CIFAR-100 files (checked by md5) are under ``root/cifar-100-python``."""
-    return not _real_file_problems(root)
-
-
-def _download_cifar100(root: str | Path) -> None:
-    # urllib has no timeout by default: behind a firewall that drops packets the download would
-    # hang forever instead of failing over to the error below or to synthetic data.
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(_DOWNLOAD_TIMEOUT_S)
-    try:
-        CIFAR100(str(root), train=True, download=True)
-    finally:
-        socket.setdefaulttimeout(previous)
-
-
-def _missing_cifar100_error(root: str | Path, reason: str) -> FileNotFoundError:
-    folder = Path(root) / CIFAR100.base_folder
-    problems = _real_file_problems(root) if folder.is_dir() else []
-    damaged = [line for line in problems if line.endswith("(md5 mismatch)")]
-    found = " (it holds a synthetic set, not CIFAR-100)" if is_synthetic(folder) else ""
-    listing = "" if found else "".join(f"\n  - {line}" for line in problems)
-    # torchvision's download skips files that pass their md5 and re-extracts the others, but a
-    # clean folder is the fix that always works.
-    delete = f"delete {folder} and re-run with " if damaged else ""
-    return FileNotFoundError(
-        f"CIFAR-100 not found or corrupted under {folder}{found}; {reason}.{listing}\nFix one of:\n"
-        f"  1. {delete}--data.download=true (allows the download; needs network access);\n"
-        f"  2. download {CIFAR100.url} on another machine and extract it so that "
-        f"{folder}/train, test and meta exist (md5-checked);\n"
-        "  3. train on generated data: --data.dataset=synthetic (or auto, which falls back to it)."
-    )
 
 
 def _warn_fallback(root: str | Path, reason: str) -> None:
@@ -230,14 +181,14 @@ class CIFAR100DataModule(LightningDataModule):
         reason = "download is off (--data.download=false)"
         if hp.download:
             try:
-                _download_cifar100(hp.data_dir)
+                download_cifar100(hp.data_dir)
                 return
             except Exception as err:  # network errors come as URLError, OSError, RuntimeError...
                 reason = f"the download failed: {type(err).__name__}: {err}"
                 if hp.dataset == "cifar100":
-                    raise _missing_cifar100_error(hp.data_dir, reason) from err
+                    raise missing_cifar100_error(hp.data_dir, reason) from err
         if hp.dataset == "cifar100":
-            raise _missing_cifar100_error(hp.data_dir, reason)
+            raise missing_cifar100_error(hp.data_dir, reason)
         _warn_fallback(hp.data_dir, reason)
         self._write_synthetic()
 
@@ -250,7 +201,7 @@ class CIFAR100DataModule(LightningDataModule):
     def _load(self, train: bool) -> TensorImageDataset:
         if self._dataset_used == "cifar100":
             if not real_cifar100_present(self.hparams.data_dir):
-                raise _missing_cifar100_error(self.hparams.data_dir, "prepare_data() did not fetch it")
+                raise missing_cifar100_error(self.hparams.data_dir, "prepare_data() did not fetch it")
             return load_split(self.hparams.data_dir, train)
         if not (self.synthetic_root / CIFAR100.base_folder).is_dir():
             raise FileNotFoundError(
