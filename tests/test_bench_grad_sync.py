@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks import grad_sync
+from benchmarks import grad_sync, grad_sync_report
 from benchmarks.harness import Quietness, make_record
 from benchmarks.launcher import run_workers
 
@@ -47,7 +47,7 @@ def _assert_estimate(e: dict[str, float], expected: float, tolerance: float) -> 
 
 
 def test_analysis_and_headline_name_their_anchors(quiet_record: dict[str, Any], tmp_path: Path) -> None:
-    rows = {r["variant"]: r for r in grad_sync.analyse(quiet_record)["resnet18"]}
+    rows = {r["variant"]: r for r in grad_sync_report.analyse(quiet_record)["resnet18"]}
     bucketed = rows["bucketed_25mb"]
     _assert_estimate(bucketed["vs_ddp_tuned"], 0.120 / 0.125, 0.02)
     _assert_estimate(bucketed["vs_ddp_default"], 0.120 / 0.150, 0.02)
@@ -56,14 +56,14 @@ def test_analysis_and_headline_name_their_anchors(quiet_record: dict[str, Any], 
     _assert_estimate(bucketed["speedup_vs_single_all_cores"], 2 * 0.090 / 0.120, 0.05)
     assert rows["no_comm"]["exposed_s"] is None and rows["single_all_cores"]["speedup_vs_single_all_cores"] is None
 
-    headline = {r["what"]: r for r in grad_sync.headline(quiet_record)}
+    headline = {r["what"]: r for r in grad_sync_report.headline(quiet_record)}
     _assert_estimate(headline["bucketed 25 MiB / ddp tuned: step time, resnet18"]["value"], 0.120 / 0.125, 0.02)
     _assert_estimate(headline["bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second, resnet18"]
                      ["value"], 2 * 0.090 / 0.120, 0.05)
     assert headline["ZeRO-1: AdamW state of the largest rank / unsharded, 2 ranks (ideal 0.5)"]["value"] == 0.5
     assert all(" / ddp " in what for what in headline if "step time" in what)  # every ratio names its anchor
 
-    grad_sync.write(quiet_record, tmp_path)
+    grad_sync_report.write(quiet_record, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON round trip
     assert saved["headline"] == json.loads(json.dumps(list(headline.values())))
     assert saved["quietness"]["comparable"] is True and saved["quietness"]["load_before"] == 0.1
@@ -75,7 +75,7 @@ def test_analysis_and_headline_name_their_anchors(quiet_record: dict[str, Any], 
 
 def test_busy_machine_is_recorded_and_flagged(quiet_record: dict[str, Any], tmp_path: Path) -> None:
     busy = Quietness(threshold=0.5, waited_s=300.0, load_before=3.4).finish()
-    grad_sync.write({**quiet_record, "quietness": busy.as_dict()}, tmp_path)
+    grad_sync_report.write({**quiet_record, "quietness": busy.as_dict()}, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text())["quietness"]["comparable"] is False
     assert "NOT COMPARABLE" in (tmp_path / "results.md").read_text().splitlines()[2]
 

@@ -42,8 +42,8 @@ def test_core_has_the_modules_the_readme_lists():
 
 # The measurement modules the callbacks and the benchmarks share, and the benchmarks that need no Trainer.
 _MEASUREMENT = ["callbacks", "measure", *_modules(measure), "benchmarks.launcher", "benchmarks.harness",
-                "benchmarks.readme_results", "benchmarks.grad_sync", "benchmarks.syncbn", "benchmarks.allreduce",
-                "benchmarks.compare", "benchmarks.compare_runs"]
+                "benchmarks.readme_results", "benchmarks.grad_sync", "benchmarks.grad_sync_report", "benchmarks.syncbn",
+                "benchmarks.allreduce", "benchmarks.compare", "benchmarks.compare_runs"]
 
 
 @pytest.mark.parametrize("modules", [_modules(parallel), _modules(collectives), _MEASUREMENT],
