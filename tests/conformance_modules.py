@@ -1,4 +1,5 @@
-"""Small LightningModules and datasets for ``tests/test_conformance.py``.
+"""Small LightningModules for ``tests/test_conformance_fit.py`` and ``test_conformance_eval.py`` (their data:
+``tests/conformance_data.py``).
 
 They are written from Lightning's documented API only and know nothing about ``custom_ddp``:
 each must behave the same under Lightning's ``ddp``, under ``custom_ddp`` and (where a result is
@@ -15,63 +16,12 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback
-from lightning.pytorch.demos.boring_classes import RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-NUM_FEATURES = 4
-NUM_CLASSES = 3
-BATCH_KINDS = ("tensor", "tuple", "dict")
-
-
-def seeded_random_dataset(size: int, length: int, seed: int) -> RandomDataset:
-    """Lightning's ``RandomDataset`` (global-RNG data) made reproducible."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return RandomDataset(size, length)
-
-
-class IndexedClassification(Dataset):
-    """``n`` samples of (features, label, index) delivered as one tensor, a tuple or a dict.
-
-    ``tensor``: ``[f0..f3, label, index]`` as one float tensor (the batch is a single tensor);
-    ``tuple``: ``(features, label, index)``; ``dict``: ``{"x": ..., "y": ..., "idx": ...}``.
-    The index lets a test check which samples each rank evaluated.
-    """
-
-    def __init__(self, n: int, kind: str = "tuple", seed: int = 0) -> None:
-        assert kind in BATCH_KINDS, kind
-        generator = torch.Generator().manual_seed(seed)
-        self.kind = kind
-        self.features = torch.randn(n, NUM_FEATURES, generator=generator)
-        self.labels = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> Any:
-        x, y = self.features[i], self.labels[i]
-        if self.kind == "tensor":
-            return torch.cat([x, torch.tensor([float(y), float(i)])])
-        if self.kind == "tuple":
-            return x, int(y), i
-        return {"x": x, "y": y, "idx": torch.tensor(i)}
-
-
-def unpack(batch: Any, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features, labels, indices) of a collated batch; the batch must have the loader's structure."""
-    if kind == "tensor":
-        assert isinstance(batch, torch.Tensor), f"expected a tensor batch, got {type(batch).__name__}"
-        return batch[:, :NUM_FEATURES], batch[:, NUM_FEATURES].long(), batch[:, NUM_FEATURES + 1].long()
-    if kind == "tuple":
-        assert isinstance(batch, (list, tuple)) and len(batch) == 3, f"expected a 3-sequence, got {type(batch)}"
-        return batch[0], batch[1], batch[2]
-    assert isinstance(batch, dict) and set(batch) == {"x", "y", "idx"}, f"expected a dict batch, got {type(batch)}"
-    return batch["x"], batch["y"], batch["idx"]
-
+from conformance_data import NUM_CLASSES, NUM_FEATURES, IndexedClassification, unpack
 
 def _eval_metrics() -> nn.ModuleDict:
     return nn.ModuleDict({"acc": MulticlassAccuracy(NUM_CLASSES, top_k=1, average="micro"),
@@ -342,63 +292,3 @@ class UnusedParamsModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=4)
-
-
-class RecordEvalOutputs(Callback):
-    """Per rank: every evaluated batch and the step's output, saved at the epoch end (not sanity)."""
-
-    def __init__(self, out_dir: Path, key: str) -> None:
-        self.out_dir, self.key = out_dir, key
-        self.rows: list[torch.Tensor] = []
-        self.outputs: list[torch.Tensor] = []
-
-    def _record(self, outputs: Any, batch: Any) -> None:
-        self.rows.append(batch.detach().clone())
-        self.outputs.append(outputs[self.key].detach().clone().reshape(1))
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        if not trainer.sanity_checking:
-            self._record(outputs, batch)
-
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._record(outputs, batch)
-
-    def _save(self, trainer, stage: str) -> None:
-        if trainer.sanity_checking:
-            return
-        torch.save({"rows": self.rows, "outputs": self.outputs}, self.out_dir / f"{stage}_rank{trainer.global_rank}.pt")
-        self.rows, self.outputs = [], []
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        self._save(trainer, "validate")
-
-    def on_test_epoch_end(self, trainer, pl_module) -> None:
-        self._save(trainer, "test")
-
-
-class RecordProgress(Callback):
-    """Per rank, at the end of fitting: the trainer's global step and epoch (the fork launcher
-    does not hand these back to the parent's trainer)."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        record = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
-        (self.out_dir / f"progress_rank{trainer.global_rank}.json").write_text(json.dumps(record))
-
-
-def read_progress(out_dir: Path, world_size: int = 2) -> list[dict]:
-    return [json.loads((out_dir / f"progress_rank{rank}.json").read_text()) for rank in range(world_size)]
-
-
-class SavePredictions(BasePredictionWriter):
-    """Lightning's documented way to collect predictions from every rank: one file per rank."""
-
-    def __init__(self, out_dir: Path) -> None:
-        super().__init__(write_interval="epoch")
-        self.out_dir = out_dir
-
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
-        torch.save({"predictions": predictions, "batch_indices": batch_indices},
-                   self.out_dir / f"predictions_rank{trainer.global_rank}.pt")
