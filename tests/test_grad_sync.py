@@ -1,4 +1,5 @@
-"""SyncedDataParallel: 2-rank parity with one process, communication counts, edge cases."""
+"""SyncedDataParallel on 2-3 ranks: parity with one process, gradients when backward returns, communication
+counts. In one process (bucket layout, options): ``tests/test_grad_sync_one_process.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from parallel.buckets import assign_buckets
-from parallel.sync_config import SYNC_MODES, GradSyncConfig
+from parallel.sync_config import SYNC_MODES
 from parallel.grad_sync import SyncedDataParallel
 from parallel.host_reduce import parse_launch_label
 from benchmarks.launcher import run_workers
@@ -264,85 +264,3 @@ def test_accumulation_communicates_once_per_bucket_on_the_last_micro_batch(tmp_p
         "finish_again": 0,
         "buckets": buckets,
     }
-
-
-@pytest.mark.parametrize(
-    ("mode", "expected"),
-    [
-        ("bucketed", [[0], [1, 3], [2], [4, 5]]),  # small first bucket per dtype, then the cap
-        ("flat", [[0, 1, 3, 4, 5], [2]]),  # one bucket per dtype
-        ("per_param", [[0], [1], [2], [3], [4], [5]]),
-    ],
-)
-def test_bucket_assignment_follows_caps_and_separates_dtypes(mode, expected):
-    f32, f64 = torch.zeros(256), torch.zeros(128, dtype=torch.float64)  # 1 KiB each
-    params = [f32, f32.clone(), f64, f32.clone(), f32.clone(), f32.clone()]
-    caps = GradSyncConfig(mode, bucket_cap_mb=2048 / 2**20, first_bucket_cap_mb=1000 / 2**20).caps()
-    assert assign_buckets(params, *caps) == expected
-
-
-def test_gradients_are_views_into_the_buckets_across_steps():
-    net = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
-    model = SyncedDataParallel(net, **_SMALL_BUCKETS)  # no process group: world size 1
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        model(torch.randn(3, 6)).sum().backward()
-        model.finish()
-        buffers = [bucket.buffer for bucket in model.buckets]
-        spans = [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
-        for p in net.parameters():
-            start = p.grad.data_ptr()
-            assert any(begin <= start < begin + nbytes for begin, nbytes in spans)
-        optimizer.step()
-
-
-def test_world_size_one_without_process_group_matches_plain_training():
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
-    wrapped_net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
-    wrapped_net.load_state_dict(plain.state_dict())
-    model = SyncedDataParallel(wrapped_net)
-    assert model.world_size == 1
-    x = torch.randn(4, 6, dtype=torch.float64)
-    plain(x).pow(2).sum().backward()
-    model(x).pow(2).sum().backward()
-    model.finish()
-    for p, q in zip(plain.parameters(), wrapped_net.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
-
-
-def test_two_synced_backward_passes_in_one_step_add_up_as_in_one_process():
-    torch.manual_seed(0)
-    plain, wrapped_net = nn.Linear(4, 4), nn.Linear(4, 4)
-    wrapped_net.load_state_dict(plain.state_dict())
-    model = SyncedDataParallel(wrapped_net)
-    for x in (torch.randn(2, 4), torch.randn(3, 4)):
-        plain(x).pow(2).sum().backward()
-        model(x).pow(2).sum().backward()
-    for p, q in zip(plain.parameters(), wrapped_net.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"mode": "ring"}, "mode='ring'"),
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb=0"),
-        ({"first_bucket_cap_mb": -1.0}, "first_bucket_cap_mb=-1.0"),
-        ({"grad_compression": "fp8"}, "grad_compression='fp8'"),
-    ],
-)
-def test_bad_options_name_the_value(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        SyncedDataParallel(nn.Linear(2, 2), **kwargs)
-
-
-def test_bucket_layout_is_logged_at_debug(caplog):
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    with caplog.at_level("DEBUG", logger="parallel.reducer"):
-        SyncedDataParallel(net, **_SMALL_BUCKETS)
-    (record,) = [r for r in caplog.records if r.name == "parallel.reducer"]
-    text = record.getMessage()
-    assert "mode=bucketed, world_size=1" in text and "bucket 0:" in text
-    assert "2.weight" in text and "0.bias" in text  # parameters are named, last layer first
