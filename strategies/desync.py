@@ -138,7 +138,7 @@ def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Op
 
     The store is the rendezvous server every rank already talks to; it is not a collective, so a
     desynchronised process group cannot hang it, and a stopped store host cannot either (the connection
-    ends within 12 s, every store call within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the
+    ends within 30 s, every store call within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the
     others' lines.
     """
     try:

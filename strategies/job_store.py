@@ -10,7 +10,7 @@ there decides nothing, and a stopped rank 0 hung the whole job (fault matrix row
 :class:`BoundedStore` connects and runs the client's operations on one worker thread, in call order,
 and waits at most ``op_timeout_s`` for each, and ``connect_timeout_s`` for the connection (c10d's
 constructor also waits for good on a stopped host, measured above 60 s with a 5 s timeout; a healthy
-host can take one name lookup's timeout, :data:`CONNECT_S`). An operation that does not finish in time raises
+host can take two name lookups' timeouts, :data:`CONNECT_S`). An operation that does not finish in time raises
 :class:`StoreUnanswered`, which says since when the store has not answered; while the worker is
 still stuck in it, every further call raises at once (queuing more would only pile up behind it). A
 call given up before it started never runs. When the host answers again, the worker goes on.
@@ -35,10 +35,11 @@ __all__ = ["CONNECT_S", "STORE_OP_S", "BoundedStore", "StoreUnanswered", "connec
 STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
 # A new connection can wait on two reverse name lookups: c10d's client looks up the address it connects to, and
 # the server the peer it accepted (on its one loop thread), each a PTR query when /etc/hosts does not answer (it
-# never does for the IPv4-mapped IPv6 addresses c10d uses, ::ffff:127.0.0.1 included). A resolver that drops the
-# query costs its timeout, 5 s by glibc's default (measured: this sandbox's resolver drops one query in 25-50, and
-# a connection then took 5.0 s). So a connection gets longer than two lookups' worst, then ``op_timeout_s``.
-CONNECT_S = 12.0
+# never does for the IPv4-mapped IPv6 addresses c10d uses, ::ffff:127.0.0.1 included). A resolver that drops a
+# query costs glibc's timeout (5 s, then 10 s for its second try): this sandbox's drops one query in 25-50 and a
+# connection took 5.0 s; one that drops every query (measured with a silent local nameserver) made a new process's
+# first connection take 20.0 s. So a connection gets longer than that, then ``op_timeout_s`` per operation.
+CONNECT_S = 30.0
 
 
 class StoreUnanswered(RuntimeError):

@@ -46,12 +46,13 @@ def test_boring_model_evaluates_each_sample_once_with_single_process_outputs(tmp
     module = BoringModel()
     loader = boring_loader(3)  # batch size 1: each step output is one sample's loss
 
-    getattr(make_trainer(custom_strategy(), callbacks=[RecordEvalOutputs(tmp_path, "x" if stage == "validate" else "y")]),
-            stage)(module, dataloaders=loader, verbose=False)
+    key = "x" if stage == "validate" else "y"
+    getattr(make_trainer(custom_strategy(), callbacks=[RecordEvalOutputs(tmp_path, key)]), stage)(
+        module, dataloaders=loader, verbose=False)
     reference_dir = tmp_path / "one"
     reference_dir.mkdir()
-    getattr(one_process_trainer(callbacks=[RecordEvalOutputs(reference_dir, "x" if stage == "validate" else "y")]),
-            stage)(module, dataloaders=loader, verbose=False)
+    getattr(one_process_trainer(callbacks=[RecordEvalOutputs(reference_dir, key)]), stage)(
+        module, dataloaders=loader, verbose=False)
 
     def by_sample(records):
         rows = torch.cat([row for record in records for row in record["rows"]])
@@ -159,7 +160,8 @@ def test_several_validation_dataloaders_log_exact_metrics_per_loader(tmp_path, e
 def test_sync_dist_log_in_validation_step_is_the_mean_for_even_shards(tmp_path) -> None:
     # 8 samples, batches of 2: 4 samples and 2 equal batches per rank.
     (tmp_path / "custom").mkdir(), (tmp_path / "ddp").mkdir(), (tmp_path / "one").mkdir()
-    actual = make_trainer(custom_strategy()).validate(SyncDistModule(8, 2, tmp_path / "custom"), verbose=False)[0]["val_loss"]
+    custom = make_trainer(custom_strategy())
+    actual = custom.validate(SyncDistModule(8, 2, tmp_path / "custom"), verbose=False)[0]["val_loss"]
     ddp = make_trainer(ddp_strategy()).validate(SyncDistModule(8, 2, tmp_path / "ddp"), verbose=False)[0]["val_loss"]
     one = one_process_trainer().validate(SyncDistModule(8, 2, tmp_path / "one"), verbose=False)[0]["val_loss"]
     losses = json.loads((tmp_path / "one" / "losses_rank0.json").read_text())
@@ -205,7 +207,8 @@ def test_limit_val_batches_runs_the_limited_batches_without_hanging(tmp_path, li
         assert len(seen) == len(set(seen)), f"{stage}: a sample was evaluated twice: {seen}"
         if stage == "val":
             assert float(trainer.callback_metrics["val_count"]) == len(seen)
-    result = metrics_of(make_trainer(custom_strategy(timeout_s=20), limit_val_batches=limit).validate(module, verbose=False)[0])
+    limited = make_trainer(custom_strategy(timeout_s=20), limit_val_batches=limit)
+    result = metrics_of(limited.validate(module, verbose=False)[0])
     seen = [i for record in read_records(tmp_path, "val") for i in record["seen"]["0"]]
     assert result["val_count"] == len(seen) == len(set(seen)) == 8
 
