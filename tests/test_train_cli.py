@@ -1,47 +1,23 @@
-"""train.py: LightningCLI parsing of every shipped config, --print_config, fit and predict through the CLI
-(under --trainer.default_root_dir), the quickstart command on 2 processes (its summary, its console),
-fit/test/predict without a stray warning, strategy options by registered name or short class name, the
-refused --optimizer flags, and bad options reported in one line."""
+"""train.py run as users run it: --print_config from the command line, fit and predict through the CLI (under
+--trainer.default_root_dir), the quickstart command on 2 processes (its summary, its console), fit/test/predict
+without a stray warning, Lightning's tips dropped, the logger's folder. Parsing the configs and options, and
+errors: ``tests/test_train_cli_options.py``."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-from argparse import ArgumentError
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+import train
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
 from lit_cifar.transforms import normalize
-from strategies import CustomDDPStrategy
-
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
-
-
-import train  # noqa: E402  (train.py at the repository root, on pytest's pythonpath)
-
-# How Python (and Lightning) print a warning: "file.py:N: [Category: ]message".
-_WARNING_LINE = re.compile(r"\.py:\d+: ")
-
-
-def _stderr_lines(capsys: pytest.CaptureFixture) -> list[str]:
-    """What this process wrote to stderr, without warnings (LightningCLI's about args next to pytest's argv)."""
-    return [line for line in capsys.readouterr().err.splitlines() if not _WARNING_LINE.search(line)]
-
-
-def _print_config(capsys: pytest.CaptureFixture, *configs: str, extra: tuple[str, ...] = ()) -> dict:
-    args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))] + [*extra, "--print_config"]
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(args)
-    assert exit_info.value.code in (0, None)
-    return yaml.safe_load(capsys.readouterr().out)
+from train_cli_helpers import CONFIGS, REPO, WARNING_LINE
 
 
 def test_print_config_from_the_command_line() -> None:
@@ -53,36 +29,6 @@ def test_print_config_from_the_command_line() -> None:
     config = yaml.safe_load(result.stdout)
     assert config["model"]["net"] == "template" and config["data"]["dataset"] == "auto"
     assert config["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.TensorBoardLogger"
-
-
-def _strategy_name(strategy: str | dict) -> str:
-    return strategy["class_path"] if isinstance(strategy, dict) else strategy
-
-
-@pytest.mark.parametrize(
-    ("configs", "expected"),
-    [
-        (("quickstart.yaml",),
-         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "strategies.CustomDDPStrategy"}),
-        (("cifar100_resnet18.yaml",), {"net": "resnet18", "devices": -1, "dataset": "cifar100"}),
-        (("cifar100_template_net.yaml",),
-         {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "strategies.CustomDDPStrategy"}),
-        (("custom_ddp_cpu.yaml",), {"devices": 2, "accumulate": 2, "strategy": "strategies.CustomDDPStrategy"}),
-        (("quickstart.yaml", "ddp_cpu.yaml"),
-         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "lightning.pytorch.strategies.DDPStrategy"}),
-    ],
-)
-def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str, ...], expected: dict) -> None:
-    config = _print_config(capsys, *configs)
-    found = {
-        "net": config["model"]["net"],
-        "devices": config["trainer"]["devices"],
-        "dataset": config["data"]["dataset"],
-        "accumulate": config["trainer"]["accumulate_grad_batches"],
-        "batch_size": config["data"]["batch_size"],
-        "strategy": _strategy_name(config["trainer"]["strategy"]),
-    }
-    assert {key: found[key] for key in expected} == expected
 
 
 TINY_ARGS = [
@@ -182,7 +128,7 @@ def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_c
     assert "💡 Tip" not in output  # Lightning's litlogger / litmodels adverts
     # No warning on either rank but the fallback banner (a header line naming where prepare_data was called, then it).
     lines = output.splitlines()
-    (header,) = [i for i, line in enumerate(lines) if _WARNING_LINE.search(line)]
+    (header,) = [i for i, line in enumerate(lines) if WARNING_LINE.search(line)]
     assert lines[header + 1] == "!" * 78, output
     assert not [line for line in output.splitlines() if "all_gather" in line and "deprecated" in line]
     total_flops = [line for line in output.splitlines() if line.endswith("Total Flops")]
@@ -206,121 +152,6 @@ def test_lightning_tips_are_dropped_and_other_messages_kept() -> None:
         logger.removeHandler(handler)
     assert any(message.startswith("GPU available") for message in seen)
     assert not any("Tip" in message for message in seen), seen
-
-
-@pytest.mark.parametrize("flag", ["--optimizer=torch.optim.Adam", "--lr_scheduler.class_path=StepLR"])
-def test_optimizer_flags_are_refused_with_the_fix(capsys: pytest.CaptureFixture, flag: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), flag, "--print_config"])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert f"{flag} is not an option here" in error and "--model.optimizer=sgd|adamw" in error
-
-
-def test_optimizer_key_in_a_config_file_is_rejected(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    config = tmp_path / "optimizer.yaml"
-    config.write_text("optimizer:\n  class_path: torch.optim.Adam\n")
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config), "--print_config"])
-    assert exit_info.value.code == 2 and "'optimizer.class_path' is not accepted" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--trainer.strategy=custom_ddp", "--trainer.strategy.sync_mode=flat"],
-         {"sync_mode": "flat", "start_method": "popen"}),
-        (["--trainer.strategy", "custom_ddp_fork", "--trainer.strategy.zero1=true"],
-         {"zero1": True, "start_method": "fork", "sync_mode": "bucketed"}),
-        (["--trainer.strategy=custom_ddp_spawn", "--trainer.strategy.init_args.start_method=popen"],
-         {"start_method": "popen"}),  # the user's option wins over the registered one
-        (["--trainer.strategy=CustomDDPStrategy", "--trainer.strategy.bucket_cap_mb=4", "--trainer.strategy.timeout=90"],
-         {"bucket_cap_mb": 4.0, "timeout": 90.0}),
-    ],
-    ids=["registered-name", "fork-name-space-separated", "user-wins", "short-class-name"],
-)
-def test_strategy_options_from_the_command_line(capsys: pytest.CaptureFixture, args: list[str], expected: dict) -> None:
-    strategy = _print_config(capsys, "quickstart.yaml", extra=tuple(args))["trainer"]["strategy"]
-    assert strategy["class_path"].endswith("CustomDDPStrategy")
-    assert {key: strategy["init_args"][key] for key in expected} == expected
-
-
-@pytest.mark.parametrize(("timeout", "seconds"), [("90", 90), ("2.5", 2.5), ("0:05:00", 300)])
-def test_strategy_options_from_yaml_by_short_class_name(tmp_path: Path, timeout: str, seconds: float) -> None:
-    config = tmp_path / "strategy.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: CustomDDPStrategy\n"
-                      f"    init_args:\n      sync_mode: per_param\n      timeout: {timeout}\n")
-    # A flag still overrides one option of it; the rest stays.
-    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config),
-                      "--trainer.strategy.zero1=true"], run=False)
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, CustomDDPStrategy)
-    options = strategy.options
-    assert (options.sync_mode, options.zero1, strategy._timeout) == ("per_param", True, timedelta(seconds=seconds))
-
-
-def test_registered_name_without_options_stays_a_name(capsys: pytest.CaptureFixture) -> None:
-    config = _print_config(capsys, "quickstart.yaml", extra=("--trainer.strategy=custom_ddp",))
-    assert config["trainer"]["strategy"] == "custom_ddp"
-
-
-def test_strategy_built_from_name_options_and_seconds() -> None:
-    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp_fork",
-                      "--trainer.strategy.sync_mode=flat", "--trainer.strategy.timeout=90"], run=False)
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, CustomDDPStrategy) and strategy.options.sync_mode == "flat"
-    assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
-
-
-@pytest.mark.parametrize(
-    ("options", "reason"),
-    [
-        # The strategy's own checks, which jsonargparse would fold into its 58-line Union report.
-        (("--trainer.strategy.bucket_cap_mb=-1",), "CustomDDPStrategy: bucket_cap_mb=-1.0 must be a number > 0"),
-        (("--trainer.strategy=custom_ddp", "--trainer.strategy.timeout=0"),
-         "CustomDDPStrategy: timeout=0.0 must be > 0 seconds"),
-        # A parse error inside the same Union, and one after 60 lines of usage: the innermost reason and its key.
-        (("--trainer.strategy.sync_mode=foo",),
-         "trainer.strategy.sync_mode: Expected a typing.Literal['bucketed', 'flat', 'per_param', 'per_param_overlap']"),
-        (("--data.dataset=foo",), "data.dataset: Expected a typing.Literal['cifar100', 'synthetic', 'auto']"),
-        # An innermost Union: what each of its types said.
-        (("--trainer.strategy.timeout=abc",),
-         "trainer.strategy.timeout: Expected a <class 'float'> / Not of type timedelta: Expected a string with form"),
-        # The data's and the model's own checks (OptionError), raised while LightningCLI builds them.
-        (("--data.batch_size=0",), "batch_size (0) and eval_batch_size (500) must be >= 1."),
-        (("--model.net=foo",), "unknown net 'foo'; choose one of ['resnet18', 'template']."),
-        (("--model.net_kwargs={\"widht\": 0.5}",),
-         "model.net_kwargs {'widht': 0.5}: net 'template' takes no 'widht'; it takes ['dropout']"),
-    ],
-    ids=["strategy-check", "strategy-timeout", "strategy-literal", "data-literal", "strategy-union", "data-check",
-         "model-check", "net-kwargs"],
-)
-def test_a_bad_option_is_reported_in_one_line(capsys: pytest.CaptureFixture, options: tuple[str, ...],
-                                              reason: str) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--config", str(CONFIGS / "quickstart.yaml"), *options], run=False)
-    assert exit_info.value.code == 2
-    error, hint = _stderr_lines(capsys)  # nothing else
-    assert error.startswith(f"error: {reason}"), error
-    assert hint == "  (every option: python train.py --help; jsonargparse's full report: JSONARGPARSE_DEBUG=true)"
-
-
-def test_the_hint_names_the_subcommand(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit):
-        train.main(["test", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.devices=1",
-                    "--trainer.strategy=auto", "--trainer.nonsense=1"])
-    assert _stderr_lines(capsys) == [
-        "error: unrecognized arguments: --trainer.nonsense=1",
-        "  (every option: python train.py test --help; jsonargparse's full report: JSONARGPARSE_DEBUG=true)",
-    ]
-
-
-def test_jsonargparse_debug_lets_the_full_report_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
-    with pytest.raises(ArgumentError, match="Does not validate against any of the Union subtypes"):
-        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.sync_mode=foo"], run=False)
-    with pytest.raises(ValueError, match="bucket_cap_mb=-1.0 must be a number > 0"):
-        train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.bucket_cap_mb=-1"], run=False)
 
 
 @pytest.mark.parametrize(
@@ -361,4 +192,4 @@ def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> No
                               capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-4000:]
-        assert [line for line in output.splitlines() if _WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"
+        assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"

@@ -1,0 +1,31 @@
+"""What the ``train.py`` tests share: the repository's paths, how a warning line looks, and train.py's
+``--print_config`` as a dict."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import train  # train.py at the repository root, on pytest's pythonpath
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+# How Python (and Lightning) print a warning: "file.py:N: [Category: ]message".
+WARNING_LINE = re.compile(r"\.py:\d+: ")
+
+
+def stderr_lines(capsys: pytest.CaptureFixture) -> list[str]:
+    """What this process wrote to stderr, without warnings (LightningCLI's about args next to pytest's argv)."""
+    return [line for line in capsys.readouterr().err.splitlines() if not WARNING_LINE.search(line)]
+
+
+def print_config(capsys: pytest.CaptureFixture, *configs: str, extra: tuple[str, ...] = ()) -> dict:
+    """``train.py fit --config <configs/each> <extra> --print_config``, in this process, as the parsed YAML."""
+    args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))] + [*extra, "--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args)
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
