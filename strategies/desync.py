@@ -62,7 +62,7 @@ _SOURCES = (
     ("parallel/zero.py", "", "ZeRO-1 optimizer"),
 )
 _STORE_WAIT_S = 3.0
-_CONNECT_WAIT_S = CONNECT_S  # a healthy store can take a name lookup's timeout to accept (strategies.job_store)
+_CONNECT_WAIT_S = CONNECT_S  # a healthy store can take name lookups' timeouts to accept (strategies.job_store)
 
 
 def enable_desync_check() -> None:
