@@ -157,9 +157,9 @@ def test_the_desync_exchange_gives_up_on_a_stopped_store_host(store_host, monkey
     """The desync report's line exchange is bounded too: rank 0 prints its own side instead of hanging."""
     port, host = store_host
     monkeypatch.setattr("strategies.desync._STORE_WAIT_S", DEADLINE_S)
-    monkeypatch.setattr("strategies.desync._CONNECT_WAIT_S", DEADLINE_S)
     assert _exchange("rank 1: x", 1, 2, "127.0.0.1", port) == ["rank 1: x"]
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) == ["rank 0: y", "rank 1: x"]
+    monkeypatch.setattr("strategies.desync._CONNECT_WAIT_S", DEADLINE_S)  # healthy connections kept CONNECT_S
     os.kill(host.pid, signal.SIGSTOP)
     started = time.monotonic()
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) is None
@@ -210,6 +210,7 @@ def test_a_connection_gets_longer_than_a_name_lookup_then_each_operation_its_own
         with pytest.raises(StoreUnanswered, match="has not answered check"):
             slow_ops.check(["k"])
         blocking.release.set()
+        slow_ops.close()
         store.close()
 
 
