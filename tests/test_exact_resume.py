@@ -85,6 +85,10 @@ def _custom() -> CustomDDPStrategy:
     return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
 
 
+def _ddp() -> DDPStrategy:
+    return DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
+
+
 def _assert_trained_the_rest_bitwise(resumed: list[dict[str, Any]], truth: list[dict[str, Any]],
                                      first: tuple[int, int]) -> None:
     """Each rank trained the uninterrupted fit's batches from ``first`` (epoch, batch index) on, each once with
@@ -154,8 +158,7 @@ def test_a_fit_resumed_from_an_epochs_end_with_workers_trains_the_next_epochs_or
     truth = _fit(_custom(), tmp_path / "full", module=Workers, by_epoch=True)
     checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Workers, by_epoch=True)
-    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint, Workers,
-               by_epoch=True)
+    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, Workers, by_epoch=True)
     _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
     assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
 
@@ -165,8 +168,7 @@ def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
                                                       uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
     """Lightning's ddp trains the epoch's first batches again: what the test above would catch."""
     out, truth = uninterrupted
-    resumed = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp",
-                   out / "ckpt" / "step=4.ckpt")
+    resumed = _fit(_ddp(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
     assert resumed[0]["seen"][(1, 2)] == truth[0]["seen"][(1, 0)]  # batch index 2 got the epoch's first batch
     assert not torch.equal(resumed[0]["state"]["net.weight"], truth[0]["state"]["net.weight"])
 
@@ -256,8 +258,7 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
     truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers)
     checkpoint = tmp_path / "full" / "ckpt" / "step=4.ckpt"
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers)
-    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
-               ResumableWorkers)
+    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, ResumableWorkers)
     _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
     assert ddp[0]["seen"][(1, 2)] != truth[0]["seen"][(1, 2)]  # what the check above would catch
     (tmp_path / "here").mkdir()
@@ -276,7 +277,6 @@ def test_a_loader_that_keeps_its_position_resumed_from_an_epochs_end_trains_the_
     truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers, by_epoch=True)
     checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
     resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers, by_epoch=True)
-    ddp = _fit(DDPStrategy(start_method="fork", timeout=timedelta(seconds=60)), tmp_path / "ddp", checkpoint,
-               ResumableWorkers, by_epoch=True)
+    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, ResumableWorkers, by_epoch=True)
     _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
     assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
