@@ -2,7 +2,8 @@
 
 Each is a :class:`~conformance.training_base.TrainingPattern` that changes one thing of a small
 regression (:mod:`conformance.training_base` says how the data is sharded and what ``truth`` means);
-the resumed ones are in :mod:`conformance.resume_patterns`. :data:`PATTERNS` names them all.
+the resumed ones are in :mod:`conformance.resume_patterns`, those around the optimizer step in
+:mod:`conformance.optimizer_patterns`. :data:`PATTERNS` names them all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
 
+from conformance.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
 from conformance.resume_patterns import DropoutResumedAtEpochEnd, DropoutResumedMidEpoch, WorkerNoiseResumedAtEpochEnd
 from conformance.training_base import OUTPUTS, TrainingPattern, mlp
 
@@ -264,6 +266,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
+    "lbfgs_closure": LBFGSClosure, "grad_norm_clip_by_value": GradNormLoggedClipByValue,
     "dropout_resumed_mid_epoch": DropoutResumedMidEpoch, "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
     "worker_noise_resumed_at_epoch_end": WorkerNoiseResumedAtEpochEnd,
 }

@@ -106,6 +106,7 @@ class SyncedDataParallel(nn.Module):
         timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
+        _refuse_uninitialized(module)
         self._config = GradSyncConfig(mode, bucket_cap_mb, first_bucket_cap_mb, grad_compression, grad_transport)
         self.module = module
         self._world_size = group_world_size(process_group)
@@ -208,3 +209,15 @@ class SyncedDataParallel(nn.Module):
         self.remove_hooks()
         if self._host is not None:
             self._host.close()
+
+
+def _refuse_uninitialized(module: nn.Module) -> None:
+    # A lazy module's shapes exist only after a forward: there is nothing to broadcast or bucket yet
+    # (torch DDP refuses such a module too). Every rank holds the same module, so every rank raises.
+    lazy = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+            if nn.parameter.is_lazy(tensor)]
+    if lazy:
+        raise ValueError(
+            f"SyncedDataParallel: {', '.join(lazy)} not initialised yet (lazy module). Run one forward pass "
+            f"on a sample batch before wrapping the module (under Lightning: at the end of the "
+            f"LightningModule's __init__ or in configure_model).")

@@ -96,3 +96,11 @@ def test_bucket_layout_is_logged_at_debug(caplog):
     text = record.getMessage()
     assert "mode=bucketed, world_size=1" in text and "bucket 0:" in text
     assert "2.weight" in text and "0.bias" in text  # parameters are named, last layer first
+
+
+def test_a_lazy_module_is_refused_by_name_until_a_forward_initialises_it():
+    net = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias not initialised.*one forward pass"):
+        SyncedDataParallel(net)
+    net(torch.zeros(1, 3))  # the documented fix
+    assert len(SyncedDataParallel(net).buckets) == 1
