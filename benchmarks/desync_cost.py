@@ -5,7 +5,9 @@ per-batch flag broadcast, forward through SyncBatchNorm (one all_gather per Batc
 backward (one all_reduce per layer), the bucketed gradient all-reduce with the rank-status slots,
 SGD. The same process group is created with and without ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
 (``dist.set_debug_level`` before ``init_process_group``, which is what the strategy option does),
-in interleaved rounds; a sample is the slowest rank's barrier-aligned step time. Nets: the
+in interleaved rounds; a sample is the slowest rank's barrier-aligned step time. As in the strategy,
+the buckets are summed in shared memory without the check (``grad_transport="auto"``) and by the
+process group with it, where the check sees them. Nets: the
 quickstart's template net (batch 128 per rank, 1 BatchNorm layer) and CIFAR ResNet-18 (batch 8
 per rank, 20 BatchNorm layers: the per-collective cost shows)::
 
@@ -37,7 +39,9 @@ TITLE = "Cost of desync_check per optimizer step"
 def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     factory, batch = NETS[net]
-    model = SyncedDataParallel(SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True)
+    transport = "process_group" if dist.get_debug_level() == dist.DebugLevel.DETAIL else "auto"  # the strategy's
+    model = SyncedDataParallel(SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True,
+                               grad_transport=transport)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
     flag = torch.zeros(1, dtype=torch.int64)

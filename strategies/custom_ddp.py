@@ -188,9 +188,22 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._options.desync_check and self.cluster_environment is not None:
+        # A rank's (popen, torchrun). Under fork/spawn/forkserver Lightning runs it in the launching
+        # process only, which is no rank and has no process group: the workers' own path is
+        # on_worker_exception. Without the guard that process reported a "desync of rank 0".
+        if self._options.desync_check and self.cluster_environment is not None and dist.is_initialized():
             log_desync(exception, self.global_rank, self.world_size, self.cluster_environment)
         super().on_exception(exception)
+
+    def on_worker_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """A fork/spawn/forkserver worker's exception path (called by its launcher before the error
+        travels to the launching process): what Lightning's interrupt path runs in a popen rank, for
+        this strategy's parts only: the exit record, a lost peer's diagnosis and last checkpoint
+        (:mod:`strategies.watchdog`), the desync report. Users' callbacks keep Lightning's order (their
+        ``on_exception`` runs in the launching process, as under ``ddp``)."""
+        if self._watchdog in trainer.callbacks:
+            self._watchdog.on_exception(trainer, trainer.lightning_module, exception)
+        self.on_exception(exception)
 
     @override
     def on_train_start(self) -> None:

@@ -127,13 +127,23 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     exception", SIGABRT) after the stage succeeded (seen with Lightning's ``ddp_spawn``, 2 of 9 runs
     on a loaded 2-core machine). Only after a normal return: on an error path a destroy could wait on
     a dead peer's collective.
+
+    A worker that fails runs the strategy's ``on_worker_exception`` before its error travels to the
+    launching process: Lightning's interrupt path (``on_exception``) runs there only, in a process
+    that is no rank, so without it a fork/spawn job lost the lost peer's diagnosis, rank 0's last
+    checkpoint and the desync report that a popen job has.
     """
 
     def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
                            kwargs: Any, *rest: Any) -> None:
         if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
-        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        except BaseException as exception:
+            if trainer is not None:  # the worker's own exception path (Lightning runs none in a worker)
+                self._strategy.on_worker_exception(trainer, exception)
+            raise
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -54,6 +54,10 @@ class CustomDDPOptions:
         problems += sync_option_problems(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb,
                                          self.grad_compression, self.grad_transport, mode_name="sync_mode")
         problems += _syncbn_problems(self.syncbn_group_size, self.syncbn_compile, self.sync_batchnorm)
+        if self.desync_check is True and self.grad_transport == "shared_memory":
+            problems.append("desync_check=True checks the process group's collectives, and grad_transport="
+                            "'shared_memory' sums the gradient buckets outside them, where a desync goes unseen: "
+                            "use grad_transport='auto' (the process group while desync_check is on) or 'process_group'")
         if not _is_stall_timeout(self.stall_timeout):
             problems.append(f"stall_timeout={self.stall_timeout!r} must be a number of seconds > 0 (default "
                             f"{DEFAULT_STALL_TIMEOUT_S:g}) or None to never end a job on a stall")
@@ -65,9 +69,12 @@ class CustomDDPOptions:
 
     @property
     def grad_sync(self) -> GradSyncConfig:
-        """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments)."""
+        """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments).
+        Under ``desync_check`` ``"auto"`` is the process group: torch's fingerprint check sees its
+        collectives only, and buckets summed in shared memory would pair across steps unchecked."""
+        transport = "process_group" if self.desync_check and self.grad_transport == "auto" else self.grad_transport
         return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression,
-                              self.grad_transport)
+                              transport)
 
     @classmethod
     def pick(cls, arguments: Mapping[str, Any]) -> CustomDDPOptions:
