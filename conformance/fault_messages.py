@@ -23,7 +23,7 @@ def rank0_message(out: Path) -> str:
     ours = [line.strip() for line in lines if (line.startswith("custom_ddp") and " received " not in line)]
     if any("desync check" in line for line in ours):  # rank 0's message: the header and one line per rank
         start = next(i for i, line in enumerate(lines)
-                     if "desync check" in line and "rank 0" in "".join(lines[i:i + 4]))
+                     if "desync check" in line and lines[i + 1:i + 2] and lines[i + 1].strip().startswith("rank 0:"))
         ours = [line.strip() for line in lines[start:start + 3]]
     if ours:
         return " / ".join(dict.fromkeys(ours))

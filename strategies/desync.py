@@ -28,6 +28,7 @@ process group exists: the strategy sets torch's debug level in ``setup_environme
 from __future__ import annotations
 
 import logging
+import re
 import time
 import traceback
 from types import FrameType, TracebackType
@@ -61,6 +62,14 @@ _SOURCES = (
     ("parallel/uneven_gather.py", "", "custom_ddp all_gather"),
     ("parallel/zero.py", "", "ZeRO-1 optimizer"),
 )
+# torch's mismatch text: "Rank <own> is running collective: CollectiveFingerPrint(SequenceNumber=<n>, OpType=...),
+# but Rank <peer> is running collective: CollectiveFingerPrint(SequenceNumber=<m>, OpType=<op>, TensorShape=[...],
+# TensorDtypes=<dtype>...)"; a barrier's has no tensor (and no comma before OpType).
+_FINGERPRINTS = re.compile(r"Rank \d+ is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+).*?"
+                           r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"
+                           r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?", re.DOTALL)
+_FINGERPRINT_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+                       "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8"}
 _STORE_WAIT_S = 3.0
 _CONNECT_WAIT_S = CONNECT_S  # a healthy store can take name lookups' timeouts to accept (strategies.job_store)
 
@@ -75,14 +84,37 @@ def enable_desync_check() -> None:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
+def _chain_text(error: BaseException) -> str:
+    """The messages of ``error`` and every exception it chains, one string."""
+    texts, seen = [], error
+    while seen is not None:
+        texts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    return "\n".join(texts)
+
+
 def is_desync_error(error: BaseException) -> bool:
     """Whether ``error`` (or an exception it chains) is torch's collective mismatch report."""
-    seen: Optional[BaseException] = error
-    while seen is not None:
-        if any(marker in str(seen) for marker in _MARKERS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    text = _chain_text(error)
+    return any(marker in text for marker in _MARKERS)
+
+
+def _torch_view(error: BaseException) -> str:
+    """What torch's check adds to a rank's own line: the peer's collective as its fingerprint names it
+    (the rank that found the mismatch; only at the same sequence number, else torch names an internal
+    collective of its check, seen as "SequenceNumber=0OpType=GATHER"), or that this rank's collective is where it found a peer gone
+    (a rank whose own check passed and that went on until the peer that raised had exited)."""
+    text = _chain_text(error)
+    match = _FINGERPRINTS.search(text)
+    if match is not None:
+        own_sequence, peer, peer_sequence, op, shape, dtype = match.groups()
+        if own_sequence != peer_sequence:  # the peer's side is torch's own helper collective, not the user's
+            return ""
+        tensor = "" if shape is None else f"{_FINGERPRINT_DTYPES.get(dtype, dtype.lower())}[{shape}]"
+        return f"; torch saw rank {peer} issue {op.lower()}({tensor})"
+    if _MARKERS[1] in text:
+        return " (where it found a peer gone; the mismatch is in the peer's line)"
+    return ""
 
 
 def _describe_tensor(value: Any) -> str:
@@ -161,7 +193,7 @@ def report_desync(error: BaseException, rank: int, world_size: int, host: str, p
     """The message this rank logs for torch's desync error; ``None`` when ``error`` is something else."""
     if not is_desync_error(error):
         return None
-    line = own_side(error.__traceback__, rank)
+    line = own_side(error.__traceback__, rank) + _torch_view(error)
     sides = _exchange(line, rank, world_size, host, port)
     head = ("custom_ddp desync check: the ranks issued different collectives (every rank must issue the same "
             "collectives in the same order):")

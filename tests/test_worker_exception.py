@@ -83,6 +83,7 @@ def test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seco
     assert seconds < 15, (seconds, logged)
     assert "rank 1: all_reduce(float32[" in logged and "from gradient bucket (SyncedDataParallel)" in logged, logged
     assert "rank 0: " in logged and "(launch)" not in logged, logged
+    assert "; torch saw rank " in logged, logged  # the peer's collective as torch's check names it
 
 
 def test_the_desync_check_takes_the_buckets_through_the_process_group() -> None:
