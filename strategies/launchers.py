@@ -17,6 +17,7 @@ constructor signatures are listed in :mod:`strategies.lightning_seams`, checked 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RANK0_GRACE_S", "OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher",
            "one_stage_launcher"]
+
+log = logging.getLogger(__name__)
 
 RANK0_GRACE_S = 10.0  # a popen job's rank 0 may end by itself this long after a child failed
 
@@ -142,7 +145,10 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         except BaseException as exception:
             if trainer is not None:  # the worker's own exception path (Lightning runs none in a worker)
-                self._strategy.on_worker_exception(trainer, exception)
+                try:
+                    self._strategy.on_worker_exception(trainer, exception)
+                except Exception as report_error:  # noqa: BLE001 - the worker's own error is the one to raise
+                    log.warning("custom_ddp: the exception path of worker %d failed: %r", process_idx, report_error)
             raise
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

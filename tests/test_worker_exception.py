@@ -46,13 +46,14 @@ class _ExtraBackwardOnRank1(BoringModel):
         self.optimizers().zero_grad()
 
 
-def _fit_in_forked_workers(module: pl.LightningModule, root: Path, **options: Any) -> tuple[BaseException, str, float]:
+def _fit_in_forked_workers(module: pl.LightningModule, root: Path, strategy: CustomDDPStrategy | None = None,
+                           **options: Any) -> tuple[BaseException, str, float]:
     """Fit on 2 fork workers; (the error, what the workers logged, seconds). Forked workers inherit
     the file handler, so their log lines land in one file."""
     handler = logging.FileHandler(root / "workers.log")
     logger = logging.getLogger("strategies")
     logger.addHandler(handler)
-    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20), **options)
+    strategy = strategy or CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20), **options)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                          callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2)])
@@ -73,6 +74,18 @@ def test_a_fork_worker_that_loses_its_peer_writes_the_last_checkpoint_and_names_
     assert "checkpoint of the last completed optimizer step 5 written by rank 0" in logged, logged
     checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 5
+
+
+def test_a_failing_exception_path_leaves_the_workers_own_error_to_raise(tmp_path) -> None:
+    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20))
+
+    def broken(trainer: pl.Trainer, exception: BaseException) -> None:
+        raise OSError("disk full")
+
+    strategy.on_worker_exception = broken  # forked workers inherit it
+    error, logged, _ = _fit_in_forked_workers(_RaisesOnRank1(), tmp_path, strategy)
+    assert "injected: rank 1 raised at batch 5" in str(error)
+    assert "the exception path of worker 1 failed: OSError('disk full')" in logged, logged
 
 
 def test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seconds(tmp_path) -> None:
