@@ -31,8 +31,11 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (_disable_mod
                                                                     _MultiProcessingLauncher)
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.multiprocessing import ProcessExitedException
 
 import lightning.pytorch as pl
+from strategies.signal_forwarding import SignalForwarding, restore_in_worker
+from strategies.stop_signals import StopOnSignal
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -137,8 +140,22 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     checkpoint and the desync report that a popen job has.
     """
 
+    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+        forwarding = SignalForwarding(lambda: getattr(self, "procs", []))
+        forwarding.install()
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as error:
+            signum = forwarding.stopped_by(error.exit_code)
+            if signum:  # every worker stopped on a signal at one step, checkpoint written: their line says where
+                raise StopOnSignal(signum, ranks=(), checkpoint=None) from error
+            raise
+        finally:
+            forwarding.restore()
+
     def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
                            kwargs: Any, *rest: Any) -> None:
+        restore_in_worker()  # a forked worker: the handlers the launching process had before forwarding
         if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
         try:

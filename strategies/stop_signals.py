@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any, Optional
@@ -48,6 +49,9 @@ class StopOnSignal(SIGTERMException):
         signum: The signal that stopped the run (the one of the lowest rank that got one).
         ranks: The ranks that received a signal.
         checkpoint: Path of the checkpoint written before stopping, ``None`` when none was written.
+
+    The launching process of fork/spawn workers raises one too when its workers exited with a stop
+    status; it cannot know ``ranks`` (empty) nor ``checkpoint`` (``None``): rank 0's line names them.
     """
 
     def __init__(self, signum: int, ranks: Sequence[int], checkpoint: Optional[str]) -> None:
@@ -67,13 +71,19 @@ class SignalRecorder:
     must not communicate either (setting a Python attribute, writing one line to stderr).
 
     A second SIGINT raises ``KeyboardInterrupt`` at once: pressing Ctrl+C twice still stops a run
-    that cannot reach its coordinated stop (Lightning then ends it without a checkpoint).
+    that cannot reach its coordinated stop (Lightning then ends it without a checkpoint). Only one
+    that comes ``repeat_after_s`` or more after the first counts: one Ctrl+C can arrive twice within
+    milliseconds (from the terminal to the whole process group, and passed on by the launching
+    process of fork/spawn workers, :mod:`strategies.signal_forwarding`).
     DataLoader worker processes forked while the handler is installed inherit it; there it ignores
     the signal, so workers keep serving batches until their main process stops them.
     """
 
+    repeat_after_s = 2.0  # a SIGINT this long after the first is a second Ctrl+C, not the same one twice
+
     def __init__(self) -> None:
         self._signum = 0
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
         self._owner_pid = os.getpid()
         self._on_first: Optional[Callable[[int], None]] = None
@@ -113,10 +123,10 @@ class SignalRecorder:
         if os.getpid() != self._owner_pid:
             return  # a forked DataLoader worker: its main process decides when to stop it
         if self._signum:
-            if signum == signal.SIGINT:
+            if signum == signal.SIGINT and time.monotonic() - self._first_at >= self.repeat_after_s:
                 raise KeyboardInterrupt  # second Ctrl+C: stop now, without the coordinated checkpoint
             return
-        self._signum = signum
+        self._signum, self._first_at = signum, time.monotonic()
         if self._on_first is not None:
             self._on_first(signum)
 
