@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from measure.run_info import display_path
+from strategies.exit_causes import chained_text
 from strategies.job_store import CONNECT_S, connect_store
 
 __all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "report_desync"]
@@ -84,18 +85,9 @@ def enable_desync_check() -> None:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
-def _chain_text(error: BaseException) -> str:
-    """The messages of ``error`` and every exception it chains, one string."""
-    texts, seen = [], error
-    while seen is not None:
-        texts.append(str(seen))
-        seen = seen.__cause__ or seen.__context__
-    return "\n".join(texts)
-
-
 def is_desync_error(error: BaseException) -> bool:
     """Whether ``error`` (or an exception it chains) is torch's collective mismatch report."""
-    text = _chain_text(error)
+    text = chained_text(error)
     return any(marker in text for marker in _MARKERS)
 
 
@@ -104,7 +96,7 @@ def _torch_view(error: BaseException) -> str:
     (the rank that found the mismatch; only at the same sequence number, else torch names an internal
     collective of its check, seen as "SequenceNumber=0OpType=GATHER"), or that this rank's collective is where it found a peer gone
     (a rank whose own check passed and that went on until the peer that raised had exited)."""
-    text = _chain_text(error)
+    text = chained_text(error)
     match = _FINGERPRINTS.search(text)
     if match is not None:
         own_sequence, peer, peer_sequence, op, shape, dtype = match.groups()

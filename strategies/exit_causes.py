@@ -26,21 +26,25 @@ import torch.distributed as dist
 from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.stall_watch import describe_where, process_state
 
-__all__ = ["CAUSE_WAIT_S", "PeerCauses", "cause_text", "is_peer_loss", "peer_causes", "write_exit_record"]
+__all__ = ["CAUSE_WAIT_S", "PeerCauses", "cause_text", "chained_text", "is_peer_loss", "peer_causes", "write_exit_record"]
 
 CAUSE_WAIT_S = 2.0
 _PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
                         r"Timed out waiting|Connection refused|ECONNRESET|" + re.escape(PEER_LOSS_TEXT), re.IGNORECASE)
 
 
+def chained_text(error: BaseException) -> str:
+    """The messages of ``error`` and of every exception it chains (cause, else context), one per line."""
+    texts, seen = [], error
+    while seen is not None:
+        texts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    return "\n".join(texts)
+
+
 def is_peer_loss(error: BaseException) -> bool:
     """Whether ``error`` (or one it chains) is a collective failing because a peer went away or timed out."""
-    seen: Optional[BaseException] = error
-    while seen is not None:
-        if _PEER_LOSS.search(str(seen)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return _PEER_LOSS.search(chained_text(error)) is not None
 
 
 def cause_text(error: BaseException) -> str:
