@@ -30,6 +30,7 @@ from benchmarks.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
+from strategies.options import CustomDDPOptions
 
 NETS = {"template": (TemplateNet, 128), "resnet18": (CifarResNet18, 8)}
 MODES = ("off", "detail")
@@ -39,7 +40,8 @@ TITLE = "Cost of desync_check per optimizer step"
 def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     factory, batch = NETS[net]
-    transport = "process_group" if dist.get_debug_level() == dist.DebugLevel.DETAIL else "auto"  # the strategy's
+    checked = dist.get_debug_level() == dist.DebugLevel.DETAIL  # inherited from _measure through fork
+    transport = CustomDDPOptions(desync_check=checked).grad_sync.grad_transport  # the strategy's choice
     model = SyncedDataParallel(SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True,
                                grad_transport=transport)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -33,13 +33,16 @@ _REPLACED: dict[int, Any] = {}
 _LAUNCHER_PID = [0]
 
 
+_STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None)
+
+
+# Python's own handling, which nobody replaced: SIGINT raises KeyboardInterrupt, the others kill the process.
+_UNTOUCHED = {signal.SIGINT: (signal.default_int_handler,)}
+
+
 def _forwardable() -> list[int]:
-    """SIGTERM and SIGUSR1 where they would kill the process, SIGINT where it raises KeyboardInterrupt."""
-    signums = [s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None))
-               if s is not None and signal.getsignal(s) in (signal.SIG_DFL, None)]
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signums.append(signal.SIGINT)
-    return signums
+    """The stop signals whose handling nobody replaced (a user's handler stays)."""
+    return [s for s in _STOP_SIGNALS if signal.getsignal(s) in _UNTOUCHED.get(s, (signal.SIG_DFL, None))]
 
 
 def restore_in_worker() -> None:
@@ -71,8 +74,7 @@ class SignalForwarding:
 
     def stopped_by(self, exit_code: Optional[int]) -> int:
         """The stop signal whose status (``128 + signum``) a worker exited with, else 0."""
-        return next((s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", 0))
-                     if s and exit_code == exit_status(s)), 0)
+        return next((s for s in _STOP_SIGNALS if exit_code == exit_status(s)), 0)
 
     def _forward(self, signum: int, frame: Optional[FrameType]) -> None:
         workers = [w for w in self._workers() if w.is_alive()] if os.getpid() == _LAUNCHER_PID[0] else []
