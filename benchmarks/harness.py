@@ -37,9 +37,9 @@ from measure.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
 from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
-           "fmt_value", "headline_row", "headline_table", "interleave", "make_record", "measure_peak", "median_ci", "parse",
-           "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci", "slowest_rank", "table",
-           "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
+           "fmt_value", "headline_row", "headline_table", "interleave", "machine", "make_record", "measure_peak",
+           "median_ci", "parse", "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci",
+           "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,6 +181,12 @@ def finish_run(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: S
     return record
 
 
+def machine(env: dict[str, Any]) -> str:
+    """A record's CPU as reports name it: model, vendor/family/model/stepping where kept, core count."""
+    cpu_id = f" [{env['cpu_id']}]" if env.get("cpu_id") else ""  # absent from records made before it was kept
+    return f"{env['cpu']}{cpu_id} ({env['cpu_count']} cores)"
+
+
 def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]:
     """A benchmark's ``results.md``: title, the not-comparable warning if any, command, machine, the
     headline table, ``body``, then the method: the benchmark module's docstring, the one place it is told."""
@@ -190,10 +196,9 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
                f"threshold {quiet['threshold']:.2f}; other processes used {share} of the machine during it, limit "
                f"{limit}). Do not quote these numbers as ratios; re-run on a quiet machine.**", ""]
     module = f"benchmarks.{record['benchmark']}"
-    cpu_id = f" [{env['cpu_id']}]" if env.get("cpu_id") else ""  # absent from records made before it was kept
     method = (importlib.import_module(module).__doc__ or "").split("\n", 1)[1:] if find_spec(module) else []
     return [f"# {title}", "", *(warning if not quiet["comparable"] else []), f"Command: `{record['command']}`", "",
-            f"Machine: {env['cpu']}{cpu_id} ({env['cpu_count']} cores), GPUs: {', '.join(env['gpus']) or 'none'}; torch "
+            f"Machine: {machine(env)}, GPUs: {', '.join(env['gpus']) or 'none'}; torch "
             f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
             f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
             f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "

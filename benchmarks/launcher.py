@@ -116,7 +116,10 @@ def run_workers(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if init_file is None:
-        init_file = os.path.join(tempfile.mkdtemp(prefix="lit_cifar_pg_"), "store")
+        with tempfile.TemporaryDirectory(prefix="lit_cifar_pg_") as folder:  # removed even when ranks were killed
+            return run_workers(fn, world_size, args=args, init_file=os.path.join(folder, "store"), backend=backend,
+                               timeout_s=timeout_s, start_method=start_method, threads=threads,
+                               deadline_margin_s=deadline_margin_s)
     if os.path.exists(init_file):
         raise ValueError(f"init_file {os.fspath(init_file)!r} already exists; pass a fresh path")
     ctx = mp.get_context(start_method)
@@ -138,11 +141,16 @@ def run_workers(
         grace_s = 10.0
         return outputs
     finally:
-        for proc in procs:
-            proc.join(timeout=grace_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _stop(procs, grace_s)
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Join every worker within ``grace_s``; kill those still running."""
+    for proc in procs:
+        proc.join(timeout=grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _collect(results: Any, procs: list[Any], deadline_s: float) -> list[Any]:

@@ -1,8 +1,9 @@
 """Generate the README's results block from the committed benchmark records, so it cannot drift.
 
-Per ``benchmarks/results/<name>/results.json`` with a headline: the command, whether the run was
-comparable, and the rows of the benchmark's own ``headline(record)`` (what against what, value
-[95 % CI], verdict), between ``<!-- results:begin -->`` and ``<!-- results:end -->`` of README.md::
+Per ``benchmarks/results/<name>/results.json`` with a headline: the command, the machine (ratios
+differ between CPUs), whether the run was comparable, and the rows of the benchmark's own
+``headline(record)`` (what against what, value [95 % CI], verdict), between ``<!-- results:begin -->``
+and ``<!-- results:end -->`` of README.md::
 
     python -m benchmarks.readme_results --write     # after committing new results
     python -m benchmarks.readme_results             # exit 1 if README.md differs (the tests check it too)
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import fmt_value, headline_table
+from benchmarks.harness import fmt_value, headline_table, machine
 from benchmarks.readme_block import replace_block
 
 __all__ = ["render_block", "update_readme"]
@@ -27,13 +28,18 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def _section(name: str, record: dict[str, Any]) -> list[str]:
-    """Rows from ``benchmarks.<name>``'s ``headline(record)``; the stored rows of a benchmark without a module."""
-    module = importlib.import_module(f"benchmarks.{name}") if importlib.util.find_spec(f"benchmarks.{name}") else None
+    """Rows from the record's benchmark module's ``headline(record)`` (``benchmarks.compare`` for a record
+    under ``results/compare_localbn``); the stored rows of a benchmark without a module."""
+    benchmark = record.get("benchmark", name)
+    spec = importlib.util.find_spec(f"benchmarks.{benchmark}")
+    module = importlib.import_module(f"benchmarks.{benchmark}") if spec else None
+    title = getattr(module, "TITLE", benchmark) + ("" if name == benchmark else f" ({name})")
     quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
-    return [f"**{getattr(module, 'TITLE', name)}** ([report](benchmarks/results/{name}/results.md)): "
-            f"`{record['command'].strip()}`; {status}: 1-min load {quiet['load_before']:.2f} before, other processes "
-            f"{share} during.", "", *headline_table(module.headline(record) if module else record["headline"]), ""]
+    rows = module.headline(record) if module else record["headline"]
+    return [f"**{title}** ([report](benchmarks/results/{name}/results.md)): `{record['command'].strip()}`; "
+            f"{machine(record['environment'])}; {status}: 1-min load {quiet['load_before']:.2f} before, other "
+            f"processes {share} during.", "", *headline_table(rows), ""]
 
 
 def render_block(results: Path = RESULTS) -> str:

@@ -67,3 +67,13 @@ def test_bad_arguments_name_the_fix(tmp_path):
     used.write_text("")
     with pytest.raises(ValueError, match="fresh path"):
         run_workers(_sum_of_ranks, 2, init_file=used)
+
+
+def test_its_own_store_folder_is_removed_after_success_and_failure(tmp_path, monkeypatch):
+    """Without an init_file the launcher makes a temporary folder for the store and leaves none behind,
+    also when a rank died (the store's file then outlives the group)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert [t.item() for t in run_workers(_sum_of_ranks, 2, args=(1.0,))] == [1.0, 1.0]
+    with pytest.raises(WorkerError):
+        run_workers(_dies_on_rank_1, 2, timeout_s=10)
+    assert list(tmp_path.iterdir()) == []

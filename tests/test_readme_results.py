@@ -21,6 +21,7 @@ def test_block_renders_headline_rows_and_quietness(tmp_path):
     rows = [{"what": "a / b: step time", "value": {"value": 1.025, "low": 0.99, "high": 1.06, "n": 40}, "unit": "x",
              "target": "<= 1.2", "verdict": "met"}, {"what": "calls", "value": 3, "unit": ""}]
     record = {"command": "python -m benchmarks.demo", "headline": rows,
+              "environment": {"cpu": "Demo CPU", "cpu_id": "GenuineDemo family 6 model 1 stepping 0", "cpu_count": 2},
               "quietness": {"comparable": False, "load_before": 1.5, "foreign_share": 0.3}}
     (folder / "results.json").write_text(json.dumps(record))
     (tmp_path / "unshown").mkdir()  # a record without a headline is not shown
@@ -29,6 +30,7 @@ def test_block_renders_headline_rows_and_quietness(tmp_path):
     assert block.startswith(BEGIN) and block.endswith(END)
     assert "| a / b: step time | 1.02 [0.99, 1.06] | met, target <= 1.2 |" in block and "| calls | 3 | – |" in block
     assert "NOT comparable" in block and "30 %" in block and "unshown" not in block
+    assert "Demo CPU [GenuineDemo family 6 model 1 stepping 0] (2 cores)" in block  # ratios differ between CPUs
 
 
 def test_each_benchmark_heads_its_section_with_human_labels():
