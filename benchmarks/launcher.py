@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import traceback
 from datetime import timedelta
@@ -115,11 +116,8 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if init_file is None:
-        with tempfile.TemporaryDirectory(prefix="lit_cifar_pg_") as folder:  # removed even when ranks were killed
-            return run_workers(fn, world_size, args=args, init_file=os.path.join(folder, "store"), backend=backend,
-                               timeout_s=timeout_s, start_method=start_method, threads=threads,
-                               deadline_margin_s=deadline_margin_s)
+    own_folder = tempfile.mkdtemp(prefix="lit_cifar_pg_") if init_file is None else None
+    init_file = os.path.join(own_folder, "store") if own_folder else init_file
     if os.path.exists(init_file):
         raise ValueError(f"init_file {os.fspath(init_file)!r} already exists; pass a fresh path")
     ctx = mp.get_context(start_method)
@@ -142,6 +140,8 @@ def run_workers(
         return outputs
     finally:
         _stop(procs, grace_s)
+        if own_folder:  # the store's file outlives ranks that were killed: remove the folder it lives in
+            shutil.rmtree(own_folder, ignore_errors=True)
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:
