@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import (
-    aligned_seconds, fmt_bytes, fmt_value, finish_run, headline_row, measure_peak, median_ci, parse, parser,
+    aligned_seconds, fmt_bytes, fmt_value, finish_run, headline_row, in_runs, measure_peak, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, wait_for_quiet, write_record)
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from benchmarks.launcher import run_workers
@@ -116,7 +116,7 @@ def run_compare(cfg: dict, seed: int, cores: int) -> list[dict]:
         print(f"[compare] world_size={world_size}", flush=True)
         per_rank = run_workers(compare_worker, world_size, args=(cfg["compare_numels"], cfg, seed),
                                timeout_s=CONFIG_LIMIT_S)
-        rows += [compare_row(world_size, numel, per_rank, cores) for numel in cfg["compare_numels"]]
+        rows += [compare_row(world_size, numel, per_rank, cores, cfg["iters"]) for numel in cfg["compare_numels"]]
     return rows
 
 
@@ -156,17 +156,23 @@ def run_bandwidth(cfg: dict, device: str, cores: int) -> list[dict]:
     return rows
 
 
-def compare_row(world_size: int, numel: int, per_rank: list[dict], cores: int) -> dict[str, Any]:
-    """One (world size, size) row: medians and ratios to dist.all_reduce with CIs, accuracy, memory."""
+def compare_estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any]:
+    """Medians and ratios to dist.all_reduce (CIs) from a row's slowest-rank samples, kept flat in rounds of
+    ``run_length`` calls (each round is resampled whole)."""
+    runs = {name: in_runs(values, run_length) for name, values in samples.items()}
+    return {"median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
+            "ratios": {f"{name}/all_reduce": asdict(ratio_ci(runs[name], runs["all_reduce"]))
+                       for name in ("ring", "butterfly")}}
+
+
+def compare_row(world_size: int, numel: int, per_rank: list[dict], cores: int, run_length: int) -> dict[str, Any]:
+    """One (world size, size) row: :func:`compare_estimates`, accuracy, memory."""
     samples = {name: slowest_rank([r[numel]["samples"][name] for r in per_rank]) for name in METHODS}
     accuracy = {name: {**per_rank[0][numel]["accuracy"][name],
                        "identical": all(r[numel]["accuracy"][name]["identical"] for r in per_rank)}
                 for name in METHODS}
     return {"world_size": world_size, "numel": numel, "oversubscribed": world_size > cores,
-            "threads": per_rank[0]["threads"],
-            "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-            "ratios": {f"{name}/all_reduce": asdict(ratio_ci(samples[name], samples["all_reduce"]))
-                       for name in ("ring", "butterfly")},
+            "threads": per_rank[0]["threads"], **compare_estimates(samples, run_length),
             "accuracy": accuracy, "memory": per_rank[0][numel]["memory"], "samples_s": samples}
 
 
@@ -234,6 +240,8 @@ def _tables(record: dict[str, Any]) -> list[str]:
 
 def write(record: dict[str, Any], out_dir: Path) -> None:
     """Write results.json, results.md and allreduce.png for ``record`` into ``out_dir``."""
+    for row in record["compare"]:  # from the kept samples: a stored record re-derives the same way
+        row.update(compare_estimates(row["samples_s"], record["config"]["iters"]))
     record["headline"] = headline(record)
     write_record(out_dir, record, report(record, TITLE, _tables(record)))
     panels, cores = [], record["config"]["cores"]

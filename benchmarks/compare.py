@@ -60,7 +60,7 @@ def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
     analysis: dict[str, Any] = {}
     for net, by_acc in timing.items():
         for acc, by_variant in by_acc.items():
-            samples = {v: [s for run in runs for s in run["step_s"]] for v, runs in by_variant.items()}
+            samples = {v: [run["step_s"] for run in runs] for v, runs in by_variant.items()}  # runs: resampled whole
             two = [v for v in samples if variants[v]["processes"] > 1]
             row = {"step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
                    "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},

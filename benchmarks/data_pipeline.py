@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,9 +94,13 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
         _epoch_images_per_s(loader, batched)
     samples = interleave(list(loaders), cfg["rounds"], lambda name, _: _epoch_images_per_s(*loaders[name]))
     samples |= _kernel_samples(images, size, cfg["kernel_rounds"])
+    return {"samples_images_per_s": samples}
+
+
+def estimates(samples: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians and speed-ups (CIs) of the rates; a sample is one round (an epoch, or one Timer call)."""
     return {"images_per_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-            "speedups": {key: asdict(ratio_ci(*(samples[k] for k in key.split("/")))) for key in SPEEDUPS},
-            "samples_images_per_s": samples}
+            "speedups": {key: asdict(ratio_ci(*(samples[k] for k in key.split("/")))) for key in SPEEDUPS}}
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -116,19 +121,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg.update({k: v for k, v in (("images", args.images), ("rounds", args.rounds)) if v is not None})
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     record = make_record("data_pipeline", cfg, quiet.finish(), argv=argv, **measure(cfg))
+    write(record, args.out)
+    return record
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """Derive the estimates from the kept samples, write results.json, results.md and throughput.png into ``out``."""
+    cfg = record["config"]
+    record.update(estimates(record["samples_images_per_s"]))
     record["headline"] = headline(record)
     rates = [[name, fmt_value(e, "images/s")] for name, e in record["images_per_s"].items()]
-    write_record(args.out, record, report(record, TITLE, [
+    write_record(out, record, report(record, TITLE, [
         f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads {cfg['torch_threads']}; "
         f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: the "
         f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` `Timer.timeit` "
         "samples each (64 single images / 4 batches per sample).", "",
         *table(["path", "images/s, median [95 % CI]"], rates), "", "![throughput](throughput.png)"]))
-    plot_estimates(args.out / "throughput.png", [
+    plot_estimates(out / "throughput.png", [
         {"title": "CIFAR train augmentation, CPU", "ylabel": "images / s (median)", "log": True,
          "groups": list(record["images_per_s"]), "series": {"images/s": list(record["images_per_s"].values())}}],
         TITLE, record["quietness"]["comparable"])
-    return record
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     state = rng_state()
     calls = {"rng_state": _time_calls(rng_state, 40),
              "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40)}
+    times = {mode: harness.in_runs(samples, steps) for mode, samples in times.items()}  # rounds, resampled whole
     off = times["off"]
     record = harness.make_record(
         "generator_keeping", {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}, quiet.finish(), argv,

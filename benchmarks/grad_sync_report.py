@@ -21,39 +21,36 @@ NO_COMM, SINGLE = "no_comm", "single_all_cores"
 ANCHORS = ("ddp_tuned", "ddp_default")  # the like-for-like anchor first
 
 
-def _pooled(by_round: list[list[float]]) -> list[float]:
-    return [s for steps in by_round for s in steps]
-
-
-def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[float]]) -> dict[str, Any]:
-    """One variant's estimates (JSON-able, seconds) from every variant's ``pooled`` steps: step, ratio to each
-    anchor, exposure, speed-up; round spread: (max - min) of the per-round medians over the pooled median."""
+def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """One variant's estimates (JSON-able, seconds) from every variant's steps by round (``pooled``: rounds are
+    resampled whole): step, ratio to each anchor, exposure, speed-up; round spread: (max - min) of the per-round
+    medians over the median of all steps."""
     step, base, communicates = pooled[name], pooled[NO_COMM], name not in (NO_COMM, SINGLE)
     # bf16 buckets travel through gloo (compression turns the shared-memory sum off): compare like with like.
     fp32 = next((v for v in (f"{name.removesuffix('_bf16')}_gloo", name.removesuffix("_bf16")) if v in pooled), "") \
         if name.endswith("_bf16") else ""
     medians = [float(np.median(s)) for s in sample["step_s_by_round"] if s]  # one per round
     # images/s of 2 ranks over one all-cores process on one rank's batch: 2 x step(single) / step
-    single = [2 * s for s in pooled.get(SINGLE, [])]
+    single = [[2 * s for s in steps] for steps in pooled.get(SINGLE, [])]
     return {"variant": name, "step_s": asdict(median_ci(step)), "threads": sample.get("threads"),
             **{f"vs_{a}": asdict(ratio_ci(step, pooled[a])) if a in pooled and a != name else None for a in ANCHORS},
             "exposed_s": asdict(difference_ci(step, base)) if communicates else None,
             "exposed_share": asdict(share_ci(base, step)) if communicates else None,
             "speedup_vs_single_all_cores": asdict(ratio_ci(single, step)) if communicates and single else None,
-            "round_spread": (max(medians) - min(medians)) / float(np.median(step)),
+            "round_spread": (max(medians) - min(medians)) / float(np.median(np.concatenate(step))),
             "vs_fp32": asdict(ratio_ci(step, pooled[fp32])) if fp32 in pooled else None,
             # The shared-memory sum (grad_transport="auto" here) against gloo's over TCP loopback.
             **{f"vs_{other}": asdict(ratio_ci(step, pooled[f"{name}_{other}"])) if f"{name}_{other}" in pooled else None
                for other in ("gloo", "gloo_barriers")},
             # Diagnostic only (a plain median): time blocked in finish(), blind to compute slowed by gloo.
-            "finish_s": float(np.median(_pooled(sample["finish_s_by_round"])))
+            "finish_s": float(np.median(np.concatenate(sample["finish_s_by_round"])))
             if communicates and sample["buckets"] is not None else None,
             "peak_bytes": sample["peak_bytes"], "collectives": sample["collectives"], "buckets": sample["buckets"]}
 
 
 def analyse(record: dict[str, Any]) -> dict[str, Any]:
     """Per model, one row per variant, all from the raw samples."""
-    return {model: [variant_row(name, sample, {v: _pooled(s["step_s_by_round"]) for v, s in samples.items()})
+    return {model: [variant_row(name, sample, {v: s["step_s_by_round"] for v, s in samples.items()})
                     for name, sample in samples.items()] for model, samples in record["steps"].items()}
 
 
@@ -100,7 +97,7 @@ def _variant_table(rows: list[dict[str, Any]]) -> list[str]:
 
 _NOTES = ("Step: forward, backward (its end waits for the buckets: finish()), optimizer step, zero_grad; x anchor: ratio of medians. Peak memory: "
           "above the built model, max over ranks. Round spread: (max - min) of the per-round medians over the "
-          "median; when it is large, the intervals (which treat steps as independent) are too narrow.")
+          "median of all steps; the intervals resample rounds whole, so a large spread widens them.")
 
 
 def write(record: dict[str, Any], out_dir: Path) -> None:

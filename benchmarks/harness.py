@@ -33,11 +33,11 @@ import torch
 
 from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import Estimate, difference_ci, median_ci, ratio_ci, share_ci
+from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, ratio_ci, share_ci
 from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
-           "fmt_value", "headline_row", "headline_table", "interleave", "machine", "make_record", "measure_peak",
+           "fmt_value", "headline_row", "headline_table", "in_runs", "interleave", "machine", "make_record", "measure_peak",
            "median_ci", "parse", "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci",
            "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
 
@@ -99,7 +99,8 @@ def timed_rounds(methods: dict[str, Callable[[], Any]], cfg: dict[str, int], dev
                  prepare: Callable[[str], Any] | None = None) -> dict[str, list[float]]:
     """Per-call seconds of every method on this rank: ``cfg["warmup"]`` untimed calls of each, then
     ``cfg["rounds"]`` interleaved rounds of ``cfg["iters"]`` barrier-aligned calls (``prepare(name)``
-    before each, untimed). Every rank runs the same order: sample i is the same call on every rank."""
+    before each, untimed). Every rank runs the same order: sample i is the same call on every rank.
+    Kept flat, round after round: ``in_runs(samples, cfg["iters"])`` gives the rounds back for the intervals."""
 
     def once(name: str) -> float:
         (prepare or (lambda _: None))(name)
@@ -202,7 +203,7 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
             f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
             f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
             f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "
-            "the ratio of medians.", "", "## Headline", "", *headline_table(record.get("headline", [])), "", *body, "",
+            "the ratio of medians, drawing whole runs (rounds), then the samples inside them.", "", "## Headline", "", *headline_table(record.get("headline", [])), "", *body, "",
             "## Method", *method]
 
 
@@ -213,7 +214,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def write_record(out_dir: Path, record: dict[str, Any], markdown: Sequence[str]) -> None:
-    """``results.json`` (strict JSON, NaN as null) and ``results.md`` in ``out_dir``; the report also on stdout."""
+    """``results.json`` (strict JSON, NaN as null) and ``results.md`` in ``out_dir``; the report also on stdout.
+    The record says how its intervals were drawn (``intervals``: today's method, the one that wrote it)."""
+    record["intervals"] = INTERVALS
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(to_jsonable(record), indent=1, allow_nan=False) + "\n")
     (out_dir / "results.md").write_text("\n".join(markdown) + "\n")

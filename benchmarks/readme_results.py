@@ -20,11 +20,20 @@ from typing import Any
 
 from benchmarks.harness import fmt_value, headline_table, machine
 from benchmarks.readme_block import replace_block
+from measure.stats import INTERVALS
 
 __all__ = ["render_block", "update_readme"]
 
 RESULTS, README = Path(__file__).resolve().parent / "results", Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+# Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
+_STEP_DRAWN = (" **Intervals too narrow:** written before intervals drew whole runs (they drew single steps, "
+               "which are not independent); re-run it to refresh them.")
+
+
+def _drew_steps(record: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
+    """Whether the record's intervals predate whole-run draws (it has intervals but no ``intervals`` method)."""
+    return record.get("intervals") != INTERVALS and any(isinstance(r["value"], dict) for r in rows)
 
 
 def _section(name: str, record: dict[str, Any]) -> list[str]:
@@ -39,7 +48,8 @@ def _section(name: str, record: dict[str, Any]) -> list[str]:
     rows = module.headline(record) if module else record["headline"]
     return [f"**{title}** ([report](benchmarks/results/{name}/results.md)): `{record['command'].strip()}`; "
             f"{machine(record['environment'])}; {status}: 1-min load {quiet['load_before']:.2f} before, other "
-            f"processes {share} during.", "", *headline_table(rows), ""]
+            f"processes {share} during.{_STEP_DRAWN if _drew_steps(record, rows) else ''}", "",
+            *headline_table(rows), ""]
 
 
 def render_block(results: Path = RESULTS) -> str:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import (
-    aligned_seconds, finish_run, fmt_bytes, fmt_value, headline_row, measure_peak, median_ci, parse, parser,
+    aligned_seconds, finish_run, fmt_bytes, fmt_value, headline_row, in_runs, measure_peak, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
 from measure.memory import return_freed_memory_above
 from benchmarks.launcher import run_workers
@@ -124,15 +124,21 @@ def _shape(row: dict[str, Any]) -> str:
     return "x".join(map(str, row["shape"]))
 
 
-def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One shape: the slowest rank's samples, medians, ratios of custom over every other method (CIs),
-    peak memory (max over ranks)."""
+def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any]:
+    """Medians and the ratios of custom over every other method (CIs) from one shape's slowest-rank samples,
+    kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
+    runs = {name: in_runs(values, run_length) for name, values in samples.items()}
+    pairs = [(a, b) for a in KERNELS if a in runs for b in runs if b not in KERNELS] + [
+        (a, b) for a, b in (("compiled", "custom"), ("python_floor", "local")) if a in runs and b in runs]
+    return {"median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
+            "ratios": {f"{a}/{b}": asdict(ratio_ci(runs[a], runs[b])) for a, b in pairs}}
+
+
+def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]], run_length: int) -> dict[str, Any]:
+    """One shape: the slowest rank's samples, their :func:`estimates`, peak memory (max over ranks)."""
     samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
-    pairs = [(a, b) for a in KERNELS if a in samples for b in samples if b not in KERNELS] + [
-        (a, b) for a, b in (("compiled", "custom"), ("python_floor", "local")) if a in samples and b in samples]
     compile_s = [r["compile_s"] for r in per_rank if r.get("compile_s") is not None]
-    return {"shape": list(shape), "median_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-            "ratios": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in pairs},
+    return {"shape": list(shape), **estimates(samples, run_length),
             "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
             "samples_s": samples} | ({"compile_s": max(compile_s)} if compile_s else {})
 
@@ -205,6 +211,8 @@ def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, flo
 def write(record: dict[str, Any], out: Path) -> None:
     """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
     cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
+    for row in (*rows, *one_rank):  # from the kept samples: a stored record re-derives the same way
+        row.update(estimates(row["samples_s"], cfg["iters"]))
     record["headline"] = headline(record)
     key = f"custom/{cfg['baseline']}"
     compiled = [f"## The compiled kernel (`compile=True`): {cfg['world_size']} ranks, then one rank", "",
@@ -265,8 +273,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
                     "one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
     return finish_run("syncbn", config, quiet, argv, write, args.out, start,
-                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
-                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
+                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank], cfg["iters"])
+                            for i, s in enumerate(shapes)],
+                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]], cfg["iters"])
+                                     for i, s in enumerate(shapes)])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ mean of the samples between the 10th and 90th percentile: the same robust estima
 report used, kept here so every table and plot computes it one way. Their intervals are
 percentile-bootstrap 95 % intervals of the median, of a ratio or of a difference of medians
 (numpy, fixed seed, every resample drawn at once). Pure Python and numpy; no Lightning import.
+
+Samples come flat (each value its own draw) or as runs: the steps of one run or one round share
+the machine's state of those seconds (a neighbour's load, the clock), so they are not
+independent, and resampling them one by one gives intervals far too narrow (on a shared host
+whose speed drifts by 40 % over tens of seconds: 2-3.5x too narrow). Runs are resampled first, then
+the steps inside each drawn run: the interval then reflects how much whole runs disagree.
 """
 
 from __future__ import annotations
@@ -16,12 +22,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["SUMMARY_FIELDS", "Estimate", "Summary", "difference_ci", "median_ci", "ratio_ci", "share_ci", "summarize"]
+__all__ = ["INTERVALS", "SUMMARY_FIELDS", "Estimate", "Samples", "Summary", "difference_ci", "in_runs", "median_ci",
+           "ratio_ci", "share_ci", "summarize"]
 
 # Fields of a summary, in a fixed order: the benchmark callback gathers them across ranks as the
 # columns of one tensor, so every rank must produce the same keys in the same order.
 Summary = dict[str, float]
 SUMMARY_FIELDS = ("median", "trimmed_mean", "p10", "p90", "count")
+# Flat values (each its own draw), or runs of values (a run is drawn whole, then its steps).
+Samples = Sequence[float] | Sequence[Sequence[float]]
+# How the intervals are drawn, as records keep it (records without it drew single steps).
+INTERVALS = "runs"
 
 
 def _percentile(ordered: Sequence[float], q: float) -> float:
@@ -69,47 +80,86 @@ class Estimate:
     n: int
 
 
-def _bootstrap(statistic: Callable[..., Any], samples: Sequence[np.ndarray], resamples: int, seed: int) -> np.ndarray:
-    """``statistic`` of ``resamples`` resamples (with replacement) of every sample set, all at once."""
+def in_runs(values: Sequence[float], run_length: int) -> list[list[float]]:
+    """``values`` cut into runs of ``run_length`` consecutive samples (the last may be shorter): the
+    per-round blocks of a series that :func:`benchmarks.harness.timed_rounds` kept flat."""
+    if run_length < 1:
+        raise ValueError(f"in_runs needs a run_length >= 1, got {run_length}")
+    return [list(values[i : i + run_length]) for i in range(0, len(values), run_length)]
+
+
+def _as_runs(samples: Samples, name: str) -> list[np.ndarray]:
+    """Runs of floats; flat samples become runs of one value (so drawing runs is drawing values)."""
+    items = list(samples)
+    nested = [np.ndim(item) > 0 for item in items]
+    if any(nested) and not all(nested):
+        raise ValueError(f"{name} needs flat values or runs of values, not a mix of both")
+    runs = [np.asarray(item, dtype=float).ravel() for item in items] if all(nested) else [
+        np.asarray([item], dtype=float) for item in items]
+    return [run for run in runs if run.size]  # a rank or round without samples draws nothing
+
+
+def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """``resamples`` rows, each the values of len(runs) runs drawn with replacement and, inside each
+    drawn run, its steps drawn with replacement; NaN pads rows that drew shorter runs."""
+    lengths = np.array([run.size for run in runs])
+    padded = np.full((len(runs), lengths.max()), np.nan)
+    for i, run in enumerate(runs):
+        padded[i, : run.size] = run
+    picked = rng.integers(0, len(runs), (resamples, len(runs)))
+    if padded.shape[1] == 1:  # flat values: one draw each, as a plain bootstrap
+        return padded[picked, 0]
+    drawn_lengths = lengths[picked][..., None]
+    steps = (rng.random((resamples, len(runs), padded.shape[1])) * drawn_lengths).astype(np.int64)
+    drawn = padded[picked[..., None], steps]
+    drawn[np.arange(padded.shape[1]) >= drawn_lengths] = np.nan
+    return drawn.reshape(resamples, -1)
+
+
+def _bootstrap(statistic: Callable[..., Any], samples: Sequence[list[np.ndarray]], resamples: int,
+               seed: int) -> np.ndarray:
+    """``statistic`` of ``resamples`` two-level resamples of every sample set, all at once."""
     rng = np.random.default_rng(seed)
-    return np.asarray(statistic(*[s[rng.integers(0, len(s), (resamples, len(s)))] for s in samples]))
+    return np.asarray(statistic(*[_resample(runs, resamples, rng) for runs in samples]))
 
 
 def _median(x: np.ndarray) -> Any:  # along the last axis: one value per bootstrap resample
-    return np.median(x, axis=-1)
+    return np.nanmedian(x, axis=-1) if np.isnan(x).any() else np.median(x, axis=-1)
 
 
-def median_ci(samples: Sequence[float], resamples: int = 2000, seed: int = 0) -> Estimate:
-    """Median of ``samples`` with a percentile-bootstrap 95 % interval."""
-    values = np.asarray(samples, dtype=float)
-    if values.size == 0:
+def median_ci(samples: Samples, resamples: int = 2000, seed: int = 0) -> Estimate:
+    """Median of ``samples`` (flat, or runs: see the module's docstring) with a bootstrap 95 % interval."""
+    runs = _as_runs(samples, "median_ci")
+    if not runs:
         raise ValueError("median_ci needs at least one sample, got none")
-    low, high = np.percentile(_bootstrap(_median, [values], resamples, seed), [2.5, 97.5])
+    values = np.concatenate(runs)
+    low, high = np.percentile(_bootstrap(_median, [runs], resamples, seed), [2.5, 97.5])
     return Estimate(float(np.median(values)), float(low), float(high), int(values.size))
 
 
-def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], Any], first: Sequence[float],
-                   second: Sequence[float], resamples: int, seed: int) -> Estimate:
-    a, b = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], Any], first: Samples,
+                   second: Samples, resamples: int, seed: int) -> Estimate:
+    a_runs, b_runs = _as_runs(first, name), _as_runs(second, name)
+    a, b = (np.concatenate(runs) if runs else np.empty(0) for runs in (a_runs, b_runs))
     if a.size == 0 or b.size == 0:
         raise ValueError(f"{name} needs samples on both sides, got {a.size} and {b.size}")
-    low, high = np.percentile(_bootstrap(statistic, [a, b], resamples, seed), [2.5, 97.5])
+    low, high = np.percentile(_bootstrap(statistic, [a_runs, b_runs], resamples, seed), [2.5, 97.5])
     return Estimate(float(statistic(a, b)), float(low), float(high), int(min(a.size, b.size)))
 
 
-def ratio_ci(numerator: Sequence[float], denominator: Sequence[float], resamples: int = 2000,
+def ratio_ci(numerator: Samples, denominator: Samples, resamples: int = 2000,
              seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` with a percentile-bootstrap 95 % interval."""
     return _two_sample_ci("ratio_ci", lambda x, y: _median(x) / _median(y), numerator, denominator, resamples, seed)
 
 
-def difference_ci(minuend: Sequence[float], subtrahend: Sequence[float], resamples: int = 2000,
+def difference_ci(minuend: Samples, subtrahend: Samples, resamples: int = 2000,
                   seed: int = 0) -> Estimate:
     """``median(minuend) - median(subtrahend)`` with a percentile-bootstrap 95 % interval."""
     return _two_sample_ci("difference_ci", lambda x, y: _median(x) - _median(y), minuend, subtrahend, resamples, seed)
 
 
-def share_ci(without: Sequence[float], whole: Sequence[float]) -> Estimate:
+def share_ci(without: Samples, whole: Samples) -> Estimate:
     """``1 - median(without) / median(whole)``: the share of ``whole`` taken by what ``without``
     lacks (e.g. the SyncBN share of a step, ``without`` = the local-BN step)."""
     r = ratio_ci(without, whole)

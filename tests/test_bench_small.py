@@ -80,7 +80,7 @@ def _synthetic_compare_rows(rng: np.random.Generator, cores: int) -> list[dict]:
                             "memory": {m: {"torch_alloc_bytes": 4, "extra_peak_bytes": 0}
                                        for m in allreduce.METHODS}}, "threads": 1}
                     for _ in range(world_size)]
-        rows.append(allreduce.compare_row(world_size, 1000, per_rank, cores))
+        rows.append(allreduce.compare_row(world_size, 1000, per_rank, cores, 4))
     return rows
 
 

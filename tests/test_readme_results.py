@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
+from benchmarks import rederive
+from benchmarks.harness import RESULTS
 from benchmarks.readme_results import BEGIN, END, render_block, update_readme
 
 
@@ -30,6 +33,10 @@ def test_block_renders_headline_rows_and_quietness(tmp_path):
     assert block.startswith(BEGIN) and block.endswith(END)
     assert "| a / b: step time | 1.02 [0.99, 1.06] | met, target <= 1.2 |" in block and "| calls | 3 | – |" in block
     assert "NOT comparable" in block and "30 %" in block and "unshown" not in block
+    assert "Intervals too narrow" in block  # intervals, and no word that they drew whole runs
+    record["intervals"] = "runs"
+    (folder / "results.json").write_text(json.dumps(record))
+    assert "Intervals too narrow" not in render_block(tmp_path)
     assert "Demo CPU [GenuineDemo family 6 model 1 stepping 0] (2 cores)" in block  # ratios differ between CPUs
 
 
@@ -62,3 +69,15 @@ def test_readme_training_conformance_table_matches_its_record():
     current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()), render_record=render,
                                    begin=BEGIN, end=END)
     assert current == fresh, "README.md's training table is stale: run python -m conformance.training_table"
+
+
+@pytest.mark.parametrize("name", ["compare_localbn", "syncbn"])
+def test_committed_records_are_derived_by_todays_analysis(tmp_path, name):
+    """Re-deriving a committed record from its raw samples changes nothing: its estimates are today's."""
+    folder = tmp_path / name
+    shutil.copytree(RESULTS / name, folder, ignore=shutil.ignore_patterns("*.png", "logs", "work"))
+    assert rederive.rederive(folder)
+    rederived, committed = (json.loads((f / "results.json").read_text()) for f in (folder, RESULTS / name))
+    assert rederived == committed
+    with pytest.raises(SystemExit):  # a folder that holds no record
+        rederive.main(["no_such_benchmark"])
