@@ -240,7 +240,8 @@ def _tables(record: dict[str, Any]) -> list[str]:
 
 def write(record: dict[str, Any], out_dir: Path) -> None:
     """Write results.json, results.md and allreduce.png for ``record`` into ``out_dir``."""
-    for row in record["compare"]:  # from the kept samples: a stored record re-derives the same way
+    # compare_row's estimates again, from the kept samples, so a stored record re-derives the same way
+    for row in record["compare"]:
         row.update(compare_estimates(row["samples_s"], record["config"]["iters"]))
     record["headline"] = headline(record)
     write_record(out_dir, record, report(record, TITLE, _tables(record)))

@@ -203,8 +203,8 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
             f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
             f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
             f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "
-            "the ratio of medians, drawing whole runs (rounds), then the samples inside them.", "", "## Headline", "", *headline_table(record.get("headline", [])), "", *body, "",
-            "## Method", *method]
+            "the ratio of medians, drawing whole runs (rounds), then the samples inside them.", "", "## Headline", "",
+            *headline_table(record.get("headline", [])), "", *body, "", "## Method", *method]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

@@ -134,11 +134,11 @@ def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any
             "ratios": {f"{a}/{b}": asdict(ratio_ci(runs[a], runs[b])) for a, b in pairs}}
 
 
-def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]], run_length: int) -> dict[str, Any]:
-    """One shape: the slowest rank's samples, their :func:`estimates`, peak memory (max over ranks)."""
+def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One shape: the slowest rank's samples, peak memory (max over ranks); :func:`write` derives the estimates."""
     samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
     compile_s = [r["compile_s"] for r in per_rank if r.get("compile_s") is not None]
-    return {"shape": list(shape), **estimates(samples, run_length),
+    return {"shape": list(shape),
             "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
             "samples_s": samples} | ({"compile_s": max(compile_s)} if compile_s else {})
 
@@ -211,7 +211,7 @@ def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, flo
 def write(record: dict[str, Any], out: Path) -> None:
     """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
     cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
-    for row in (*rows, *one_rank):  # from the kept samples: a stored record re-derives the same way
+    for row in (*rows, *one_rank):  # from the kept samples, so a stored record re-derives the same way
         row.update(estimates(row["samples_s"], cfg["iters"]))
     record["headline"] = headline(record)
     key = f"custom/{cfg['baseline']}"
@@ -273,10 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
                     "one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
     return finish_run("syncbn", config, quiet, argv, write, args.out, start,
-                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank], cfg["iters"])
-                            for i, s in enumerate(shapes)],
-                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]], cfg["iters"])
-                                     for i, s in enumerate(shapes)])
+                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
+                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
 
 
 if __name__ == "__main__":
