@@ -1,5 +1,7 @@
 """How compare drives its runs: fresh ``python train.py fit`` processes, as a user types them, per
-variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit."""
+variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit. The
+flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`) and its
+reading (:func:`read_monitor`) serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
 
 from __future__ import annotations
 
@@ -96,9 +98,9 @@ def _call(command: list[str], log: Path, timeout_s: float, threads: int | None) 
     return time.perf_counter() - start
 
 
-def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, flags: dict[str, object],
-         *callback: str) -> tuple[str, float]:
-    """``train.py fit`` of ``variant`` with the shared flags, ``flags`` and ``callback``; its command and wall time."""
+def fit_flags(cfg: dict[str, Any], net: str, variant: str, accumulate: int, flags: dict[str, object],
+              *callback: str) -> list[str]:
+    """The ``train.py fit`` options of ``variant``: the shared flags, ``flags`` and ``callback``."""
     v = VARIANTS[variant]
     shared = {"config": BASE_CONFIG, "seed_everything": 0, "model.net": net, "data.dataset": "synthetic",
               "data.batch_size": cfg["nets"][net]["batch_size"], "data.val_size": 0.1,
@@ -106,35 +108,56 @@ def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str
               "trainer.accelerator": "cpu", "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
     kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
     own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
-    command = [sys.executable, "train.py", "fit", *(_flag(k, x) for k, x in (shared | kwargs).items()), *v.flags,
-               *(_flag(k, x) for k, x in own.items()), *callback]
-    wall_s = _call(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], v.threads)
+    return [*(_flag(k, x) for k, x in (shared | kwargs).items()), *v.flags, *(_flag(k, x) for k, x in own.items()),
+            *callback]
+
+
+def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, flags: dict[str, object],
+         *callback: str) -> tuple[str, float]:
+    """``train.py fit`` of ``variant`` (:func:`fit_flags`) in a fresh process; its command and wall time."""
+    command = [sys.executable, "train.py", "fit", *fit_flags(cfg, net, variant, accumulate, flags, *callback)]
+    wall_s = _call(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], VARIANTS[variant].threads)
     return shlex.join(command[1:]), wall_s
+
+
+def short_fit_flags(run_dir: Path, accumulate: int, steps: int) -> dict[str, object]:
+    """One epoch of ``steps`` optimizer steps in ``run_dir``, without validation, checkpoint or logger."""
+    return {"trainer.max_epochs": 1, "trainer.limit_train_batches": accumulate * steps, "trainer.limit_val_batches": 0,
+            "trainer.num_sanity_val_steps": 0, "trainer.enable_checkpointing": False, "trainer.logger": False,
+            "trainer.default_root_dir": run_dir}
 
 
 def _short_fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, steps: int,
                *callback: str) -> tuple[str, float, Path]:
-    """One epoch of ``steps`` optimizer steps (no validation, checkpoint or logger) in ``out/work/<name>``;
-    ``callback`` replaces the base config's (a checkpoint and an LR monitor need what is off here)."""
+    """:func:`short_fit_flags` in ``out/work/<name>``; ``callback`` replaces the base config's (a checkpoint
+    and an LR monitor need what is off here)."""
     run_dir = Path(cfg["out"], "work", name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return *_fit(cfg, net, variant, accumulate, name, {
-        "trainer.max_epochs": 1, "trainer.limit_train_batches": accumulate * steps, "trainer.limit_val_batches": 0,
-        "trainer.num_sanity_val_steps": 0, "trainer.enable_checkpointing": False, "trainer.logger": False,
-        "trainer.default_root_dir": run_dir}, *callback), run_dir
+    return *_fit(cfg, net, variant, accumulate, name, short_fit_flags(run_dir, accumulate, steps), *callback), run_dir
+
+
+def monitor_flags(warmup_steps: int) -> tuple[str, str]:
+    """``BenchmarkMonitor`` as the fit's only callback, leaving ``warmup_steps`` out of its statistics."""
+    return "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps", warmup_steps)
+
+
+def read_monitor(run_dir: Path, micro_batches: bool = False) -> dict[str, Any]:
+    """A timed fit's intra-op threads and per-step seconds (the slowest rank's), with ``micro_batches`` its
+    per-micro-batch seconds too (the slowest rank's, in order), from its ``benchmark.json``; removes ``run_dir``."""
+    monitor = json.loads((run_dir / "benchmark.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    micro = {"micro_batch_s": slowest_rank(monitor["micro_batch_s_per_rank"])} if micro_batches else {}
+    return {"threads": monitor["run"]["intra_op_threads"], "step_s": slowest_rank(monitor["step_s_per_rank"]),
+            **micro, "recorded": monitor["run"]}
 
 
 def timing_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
     """One short timed fit: command, wall time, intra-op threads and per-step seconds (the slowest rank's)."""
     setting = cfg["nets"][net]
-    command, wall_s, run_dir = _short_fit(
-        cfg, net, variant, accumulate, f"{net}_{variant}_acc{accumulate}", setting["warmup_steps"] + setting["steps"],
-        "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps",
-                                                                setting["warmup_steps"]))
-    monitor = json.loads((run_dir / "benchmark.json").read_text())
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return {"command": command, "wall_s": wall_s, "threads": monitor["run"]["intra_op_threads"],
-            "step_s": slowest_rank(monitor["step_s_per_rank"]), "recorded": monitor["run"]}
+    command, wall_s, run_dir = _short_fit(cfg, net, variant, accumulate, f"{net}_{variant}_acc{accumulate}",
+                                          setting["warmup_steps"] + setting["steps"],
+                                          *monitor_flags(setting["warmup_steps"]))
+    return {"command": command, "wall_s": wall_s, **read_monitor(run_dir)}
 
 
 def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:

@@ -33,12 +33,12 @@ import torch
 
 from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, ratio_ci, share_ci
+from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, paired_ratio_ci, ratio_ci, share_ci
 from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
            "fmt_value", "headline_row", "headline_table", "in_runs", "interleave", "machine", "make_record", "measure_peak",
-           "median_ci", "parse", "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci",
+           "median_ci", "paired_ratio_ci", "parse", "parse_step_rounds", "parser", "plot_estimates", "ratio_ci", "report", "share_ci",
            "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
 
 SCHEMA = "lit_cifar.bench/v3"

@@ -146,8 +146,8 @@ class BenchmarkMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         summary = _gather(trainer, _row(self._fit, self._fit_peak))
-        # The raw steady-state step times of every rank: what confidence intervals are computed from.
-        step_samples = _gather_samples(trainer, self._fit.step_s)
+        # The raw steady-state step and micro-batch times of every rank: what confidence intervals are computed from.
+        step_samples, micro_batch_samples = _gather_samples(trainer, self._fit.step_s, self._fit.micro_batch_s)
         log_dir = trainer.log_dir  # a broadcast inside: every rank must ask
         if not trainer.is_global_zero or log_dir is None:
             return
@@ -163,6 +163,8 @@ class BenchmarkMonitor(Callback):
                               if isinstance(v, torch.Tensor) and v.numel() == 1},
             "summary": summary,
             "step_s_per_rank": step_samples,
+            # accumulate_grad_batches per step, in order: the last of each step's is the one that syncs and steps
+            "micro_batch_s_per_rank": micro_batch_samples,
             "epochs": self._epochs,
         })
         with open(self.path, "w") as out:
@@ -224,14 +226,18 @@ def _all_gather(trainer: Trainer, tensor: torch.Tensor) -> torch.Tensor:
     return gathered.view(trainer.world_size, *tensor.shape)
 
 
-def _gather_samples(trainer: Trainer, values: list[float]) -> list[list[float]]:
-    """Every rank's ``values`` (lengths may differ): one gather of the lengths, one of the padded samples."""
+def _gather_samples(trainer: Trainer, *series: list[float]) -> list[list[list[float]]]:
+    """Every rank's values of each series (lengths may differ), per series then per rank: one gather of
+    the lengths, one of the padded samples, however many series."""
     device = trainer.strategy.root_device
-    lengths = _all_gather(trainer, torch.tensor([len(values)], device=device)).reshape(-1).tolist()
-    padded = torch.full((max(max(lengths), 1),), math.nan, dtype=torch.float64, device=device)
-    padded[: len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
-    table = _all_gather(trainer, padded).reshape(len(lengths), -1).cpu()
-    return [table[rank, :length].tolist() for rank, length in enumerate(lengths)]
+    lengths = _all_gather(trainer, torch.tensor([len(v) for v in series], device=device)).reshape(
+        -1, len(series)).tolist()
+    width = max(1, *(n for row in lengths for n in row))
+    padded = torch.full((len(series), width), math.nan, dtype=torch.float64, device=device)
+    for i, values in enumerate(series):
+        padded[i, : len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
+    table = _all_gather(trainer, padded).reshape(len(lengths), len(series), width).cpu()
+    return [[table[rank, i, : row[i]].tolist() for rank, row in enumerate(lengths)] for i in range(len(series))]
 
 
 def _nanmax(values: list[float]) -> float:

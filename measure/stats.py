@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = ["INTERVALS", "SUMMARY_FIELDS", "Estimate", "Samples", "Summary", "difference_ci", "in_runs", "median_ci",
-           "ratio_ci", "share_ci", "summarize"]
+           "paired_ratio_ci", "ratio_ci", "share_ci", "summarize"]
 
 # Fields of a summary, in a fixed order: the benchmark callback gathers them across ranks as the
 # columns of one tensor, so every rank must produce the same keys in the same order.
@@ -99,14 +99,17 @@ def _as_runs(samples: Samples, name: str) -> list[np.ndarray]:
     return [run for run in runs if run.size]  # a rank or round without samples draws nothing
 
 
-def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """``resamples`` rows, each the values of len(runs) runs drawn with replacement and, inside each
-    drawn run, its steps drawn with replacement; NaN pads rows that drew shorter runs."""
+def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
+              picked: np.ndarray | None = None) -> np.ndarray:
+    """``resamples`` rows, each the values of len(runs) runs drawn with replacement (``picked``: the run
+    indices already drawn, one row per resample) and, inside each drawn run, its steps drawn with
+    replacement; NaN pads rows that drew shorter runs."""
     lengths = np.array([run.size for run in runs])
     padded = np.full((len(runs), lengths.max()), np.nan)
     for i, run in enumerate(runs):
         padded[i, : run.size] = run
-    picked = rng.integers(0, len(runs), (resamples, len(runs)))
+    if picked is None:
+        picked = rng.integers(0, len(runs), (resamples, len(runs)))
     if padded.shape[1] == 1:  # flat values: one draw each, as a plain bootstrap
         return padded[picked, 0]
     drawn_lengths = lengths[picked][..., None]
@@ -151,6 +154,24 @@ def ratio_ci(numerator: Samples, denominator: Samples, resamples: int = 2000,
              seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` with a percentile-bootstrap 95 % interval."""
     return _two_sample_ci("ratio_ci", lambda x, y: _median(x) / _median(y), numerator, denominator, resamples, seed)
+
+
+def paired_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]],
+                    resamples: int = 2000, seed: int = 0) -> Estimate:
+    """``median(numerator) / median(denominator)`` of paired runs: run ``i`` of both sides ran side by side
+    (one pair, seconds apart), so every resample draws the same pairs for both sides, then the steps
+    inside each drawn run. Drift the two runs of a pair share (the host slowing down for a minute)
+    then cancels in the ratio instead of widening its interval, as it does when runs are drawn apart."""
+    a_runs, b_runs = ([np.asarray(run, dtype=float).ravel() for run in side] for side in (numerator, denominator))
+    if len(a_runs) != len(b_runs) or not a_runs or any(run.size == 0 for run in a_runs + b_runs):
+        raise ValueError(f"paired_ratio_ci needs the same number of non-empty runs on both sides (one per pair), "
+                         f"got {[run.size for run in a_runs]} and {[run.size for run in b_runs]} samples per run")
+    rng = np.random.default_rng(seed)
+    pairs = rng.integers(0, len(a_runs), (resamples, len(a_runs)))
+    draws = [_resample(runs, resamples, rng, pairs) for runs in (a_runs, b_runs)]
+    low, high = np.percentile(_median(draws[0]) / _median(draws[1]), [2.5, 97.5])
+    a, b = np.concatenate(a_runs), np.concatenate(b_runs)
+    return Estimate(float(np.median(a) / np.median(b)), float(low), float(high), int(min(a.size, b.size)))
 
 
 def difference_ci(minuend: Samples, subtrahend: Samples, resamples: int = 2000,

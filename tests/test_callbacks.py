@@ -199,6 +199,10 @@ def _check_report(report: dict, world_size: int, epochs: int) -> None:
     raw = report["step_s_per_rank"]  # the raw samples behind the medians, for confidence intervals
     assert [len(r) for r in raw] == [epochs * steps_per_rank - 1] * world_size
     assert max(statistics.median(r) for r in raw) == pytest.approx(report["summary"]["global"]["step_s_median"])
+    micro = report["micro_batch_s_per_rank"]  # accumulate (2) per step, in order: they sum to their step
+    for steps, batches in zip(raw, micro):
+        assert len(batches) == 2 * len(steps)
+        assert [sum(batches[i : i + 2]) for i in range(0, len(batches), 2)] == pytest.approx(steps)
 
 
 def _scalars(log_dir: Path) -> dict[str, list[float]]:

@@ -21,6 +21,7 @@ from benchmarks.harness import (
     interleave,
     make_record,
     median_ci,
+    paired_ratio_ci,
     parse,
     parser,
     ratio_ci,
@@ -78,6 +79,31 @@ def test_intervals_that_draw_whole_runs_cover_the_truth_where_step_draws_do_not(
         covered["runs"] += by_runs.low <= 1 <= by_runs.high
         covered["steps"] += by_steps.low <= 1 <= by_steps.high
     assert covered["runs"] >= 88 and covered["steps"] <= 60, covered
+
+
+def test_paired_intervals_cancel_the_drift_a_pair_shares():
+    # 100 experiments of 30 pairs: each pair's two runs share the host's speed of that minute (12 %),
+    # the steps add their own noise (5 %); a true ratio of 0.98 must be covered ~95 times in 100, and
+    # drawing the pairs together must give intervals far narrower than drawing each side's runs apart.
+    rng = np.random.default_rng(5)
+    covered, widths = 0, {"paired": [], "apart": []}
+    for _ in range(100):
+        drift = np.exp(rng.normal(0, 0.12, 30))
+        a, b = ([list(d * scale * np.exp(rng.normal(0, 0.05, 16))) for d in drift] for scale in (0.98, 1.0))
+        paired, apart = paired_ratio_ci(a, b, resamples=500), ratio_ci(a, b, resamples=500)
+        assert paired.value == apart.value and paired.n == 480
+        covered += paired.low <= 0.98 <= paired.high
+        widths["paired"].append(paired.high - paired.low)
+        widths["apart"].append(apart.high - apart.low)
+    assert covered >= 88, covered
+    assert np.median(widths["paired"]) < np.median(widths["apart"]) / 3, {k: np.median(w) for k, w in widths.items()}
+
+
+def test_paired_intervals_need_one_run_per_pair_on_both_sides():
+    with pytest.raises(ValueError, match=r"same number of non-empty runs.*\[2, 1\] and \[2\]"):
+        paired_ratio_ci([[1.0, 1.0], [2.0]], [[1.0, 1.0]])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_ratio_ci([[1.0], []], [[1.0], [1.0]])
 
 
 def test_flat_samples_are_runs_of_one_and_ragged_runs_are_drawn_whole():

@@ -21,6 +21,9 @@ from strategies.desync import _exchange
 from strategies.job_store import CONNECT_S, BoundedStore, StoreUnanswered, connect_store, host_store, serve_store
 
 DEADLINE_S = 0.3
+# What the deadline may overrun by: scheduling on a loaded 2-core VM (0.2 s was overrun once in a full
+# run on a Zen 3 host). Without the bound, c10d's client waits for good: any finite slack tells them apart.
+SLACK_S = 1.0
 
 
 class BlockingStore:
@@ -85,7 +88,7 @@ def test_a_store_that_does_not_answer_raises_in_time_and_runs_no_abandoned_call(
     sent = time.monotonic()
     with pytest.raises(StoreUnanswered) as queued:  # queued behind the unanswered check: given up
         store.set("late", "1")
-    assert time.monotonic() - sent < DEADLINE_S + 0.2
+    assert time.monotonic() - sent < DEADLINE_S + SLACK_S
     assert queued.value.since < sent  # silent since the check was sent, not since this call
     stuck.join()
     started = time.monotonic()
@@ -119,7 +122,7 @@ def test_a_stopped_store_host_fails_every_operation_within_the_deadline(store_ho
         started = time.monotonic()
         with pytest.raises(StoreUnanswered):
             getattr(store, operation)(*args)
-        assert time.monotonic() - started < DEADLINE_S + 0.2, operation
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S, operation
 
 
 def test_close_ends_the_worker_thread() -> None:
@@ -142,7 +145,7 @@ def test_connecting_to_a_stopped_store_host_fails_within_the_deadline(store_host
     started = time.monotonic()
     with pytest.raises(StoreUnanswered, match="has not answered connect"):
         connect_store("127.0.0.1", port, "job/", op_timeout_s=DEADLINE_S, connect_timeout_s=DEADLINE_S)
-    assert time.monotonic() - started < DEADLINE_S + 0.2
+    assert time.monotonic() - started < DEADLINE_S + SLACK_S
 
 
 def test_a_connection_that_fails_raises_its_own_error() -> None:
@@ -163,7 +166,7 @@ def test_the_desync_exchange_gives_up_on_a_stopped_store_host(store_host, monkey
     os.kill(host.pid, signal.SIGSTOP)
     started = time.monotonic()
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) is None
-    assert time.monotonic() - started < DEADLINE_S + 0.2
+    assert time.monotonic() - started < DEADLINE_S + SLACK_S
 
 
 @contextmanager

@@ -1,0 +1,105 @@
+"""benchmarks.paired_fits: verdicts on the target, paired vs apart intervals, options, and a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.compare_runs import MATCHED_THREADS
+from benchmarks.harness import SCHEMA
+from benchmarks.paired_fits import _target_verdict, analyse, headline, parse_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _timing(ratio: float, pairs: int = 20, seed: int = 0) -> dict:
+    """``pairs`` pairs of 16-step runs; each pair shares the host's speed of its minute (15 % apart from
+    pair to pair), custom_ddp's steps ``ratio`` x ddp's."""
+    rng = np.random.default_rng(seed)
+    runs: dict[str, list] = {"custom_ddp_localbn": [], "ddp_tuned": []}
+    for pair, drift in enumerate(np.exp(rng.normal(0, 0.15, pairs))):
+        for variant, scale in (("custom_ddp_localbn", ratio), ("ddp_tuned", 1.0)):
+            steps = 0.1 * drift * scale * np.exp(rng.normal(0, 0.03, 16))
+            runs[variant].append({"pair": pair, "step_s": steps.tolist(), "threads": 1})
+    return {"template": {"1": runs}}
+
+
+def test_pairs_drawn_together_decide_what_runs_drawn_apart_cannot():
+    row = analyse(_timing(0.97))["template"]["1"]
+    paired, apart = row["paired"]["custom_ddp_localbn/ddp_tuned"], row["apart"]["custom_ddp_localbn/ddp_tuned"]
+    assert paired["value"] == apart["value"] == pytest.approx(0.97, abs=0.01)
+    assert paired["high"] < 1.0 < apart["high"]  # the drift between pairs widens only the unpaired interval
+    assert _target_verdict(paired) == "met" and _target_verdict(apart) == "undecided"
+    rows = headline({"analysis": {"template": {"1": row}}})
+    assert [r["verdict"] for r in rows] == ["met"] and rows[0]["target"] == "<= 1.00, CI high < 1.03"
+    assert "paired fits, template net, accumulate 1" in rows[0]["what"]
+
+
+def test_micro_batches_split_into_the_syncing_one_and_the_accumulating_ones():
+    # accumulate 2: the accumulating micro-batch is the same on both sides, the syncing one 20 % faster.
+    rng = np.random.default_rng(1)
+    runs: dict[str, list] = {"custom_ddp_localbn": [], "ddp_tuned": []}
+    for pair in range(10):
+        for variant, syncing in (("custom_ddp_localbn", 0.8), ("ddp_tuned", 1.0)):
+            micro = [t * rng.uniform(0.99, 1.01) for _ in range(8) for t in (0.1, 0.1 * syncing)]
+            step = [micro[i] + micro[i + 1] for i in range(0, 16, 2)]
+            runs[variant].append({"pair": pair, "step_s": step, "micro_batch_s": micro, "threads": 1})
+    row = analyse({"template": {"2": runs}})["template"]["2"]
+    split = row["micro_batch_paired"]["custom_ddp_localbn/ddp_tuned"]
+    assert split["syncing"]["value"] == pytest.approx(0.8, abs=0.01) and split["syncing"]["n"] == 80
+    assert split["accumulating"]["value"] == pytest.approx(1.0, abs=0.01)
+    assert row["paired"]["custom_ddp_localbn/ddp_tuned"]["value"] == pytest.approx(0.9, abs=0.01)
+    assert row["micro_batch_s"]["ddp_tuned"]["syncing"]["value"] == pytest.approx(0.1, abs=0.002)
+    del runs["ddp_tuned"][0]["micro_batch_s"]  # a record from before micro-batches were kept: steps only
+    assert "micro_batch_paired" not in analyse({"template": {"2": runs}})["template"]["2"]
+
+
+def test_target_verdicts():
+    assert _target_verdict({"value": 1.01, "low": 0.99, "high": 1.02}) == "undecided"  # point above 1.00
+    assert _target_verdict({"value": 0.99, "low": 0.95, "high": 1.04}) == "undecided"  # bound not below 1.03
+    assert _target_verdict({"value": 1.05, "low": 1.01, "high": 1.08}) == "missed"
+    assert _target_verdict(analyse(_timing(1.08))["template"]["1"]["paired"]["custom_ddp_localbn/ddp_tuned"]) \
+        == "missed"
+
+
+def test_paired_fits_arguments(capsys):
+    cfg, max_wait_s = parse_config(["--quick", "--out", "/tmp/paired_quick"])
+    assert cfg["pairs"] == 1 and cfg["accumulates"] == [2] and list(cfg["nets"]) == ["template"] and max_wait_s == 0
+    full, _ = parse_config(["--variants", "custom_ddp_localbn", "custom_ddp_localbn_gloo", "ddp_tuned"])
+    assert full["variants_by_net"]["resnet18"] == ["custom_ddp_localbn", "custom_ddp_localbn_gloo", "ddp_tuned"]
+    assert full["out"] == "benchmarks/results/paired_fits" and full["pairs"] == 30
+    for bad, said in ((["--pairs", "0"], "got [1, 2, 4], 0"), (["--variants", "ddp_tuned"], "name 2 or more")):
+        with pytest.raises(SystemExit):
+            parse_config(bad)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one process: nothing to pair with a 2-rank fit
+        parse_config(["--variants", "single", "ddp_tuned"])
+
+
+@pytest.mark.distributed
+def test_paired_fits_end_to_end_quick(tmp_path):
+    # Both strategies fit in turn in the same 2 ranks: custom_ddp after ddp and ddp after custom_ddp
+    # in one process group, as a script calling fit twice would.
+    out = tmp_path / "paired"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.paired_fits", "--out", str(out), "--quick",
+                           "--pairs", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    record = json.loads((out / "results.json").read_text())
+    assert record["schema"] == SCHEMA and record["config"]["pairs"] == 1  # --quick: one pair
+    runs = record["timing"]["template"]["2"]
+    assert set(runs) == {"custom_ddp_localbn", "ddp_tuned"}
+    for variant, [run] in runs.items():
+        assert run["pair"] == 0 and len(run["step_s"]) == 2 and run["threads"] == MATCHED_THREADS, variant
+    custom, ddp = (runs[v][0]["recorded"]["strategy"] for v in ("custom_ddp_localbn", "ddp_tuned"))
+    assert custom["class"].endswith("CustomDDPStrategy") and custom["sync_batchnorm"] is False
+    assert ddp["class"].endswith(".DDPStrategy") and ddp["gradient_as_bucket_view"] is True
+    assert [len(run["micro_batch_s"]) for [run] in runs.values()] == [4, 4]  # 2 steps of 2 micro-batches
+    assert set(record["analysis"]["template"]["2"]["micro_batch_paired"]["custom_ddp_localbn/ddp_tuned"]) == {
+        "syncing", "accumulating"}
+    assert record["headline"][0]["verdict"] in ("met", "missed", "undecided")
+    assert "pairs drawn together" in (out / "results.md").read_text()
