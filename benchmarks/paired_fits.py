@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, fit_flags, monitor_flags, read_monitor, \
     short_fit_flags
 from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, paired_ratio_ci, parse, parser, \
-    ratio_ci, report, table, wait_for_quiet
+    ratio_ci, report, table, wait_for_quiet, write_record
 from benchmarks.launcher import without_launch_variables
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
@@ -169,8 +169,6 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def write(record: dict[str, Any], out: Path) -> None:
     """Analyse the kept runs, then write results.json and results.md."""
-    from benchmarks.harness import write_record
-
     cfg = record["config"]
     record["analysis"] = analyse(record["timing"])
     record["headline"] = headline(record)
@@ -216,13 +214,14 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
                 f"{args.accumulates}, {args.pairs}, {args.variants}")
     nets = ["template"] if args.quick else args.nets
     out = args.out.resolve()
-    return {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
-            "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
-            "accumulates": [2] if args.quick else sorted(set(args.accumulates)), "pairs": 1 if args.quick else
-            args.pairs, "variants": args.variants, "train_size": 640 if args.quick else 6_000,
-            "test_size": 64 if args.quick else 1_000, "timeout_s": 4 * 3600.0,
-            "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets}}, \
-        args.max_wait_s
+    cfg = {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
+           "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
+           "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
+           "pairs": 1 if args.quick else args.pairs, "variants": args.variants,
+           "train_size": 640 if args.quick else 6_000, "test_size": 64 if args.quick else 1_000,
+           "timeout_s": 4 * 3600.0,
+           "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets}}
+    return cfg, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
