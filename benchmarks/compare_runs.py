@@ -1,7 +1,7 @@
 """How compare drives its runs: fresh ``python train.py fit`` processes, as a user types them, per
 variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit. The
-flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`) and its
-reading (:func:`read_monitor`) serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
+flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`), its reading
+(:func:`read_monitor`) and :func:`call_logged` serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import slowest_rank
+from benchmarks.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
@@ -83,9 +84,10 @@ def variants_for(net: str) -> list[str]:
     return [name for name, variant in VARIANTS.items() if net in variant.nets]
 
 
-def _call(command: list[str], log: Path, timeout_s: float, threads: int | None) -> float:
-    """Run ``command`` from the repository root, output to ``log``; raise with its tail on failure."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | (
+def call_logged(command: list[str], log: Path, timeout_s: float, threads: int | None) -> float:
+    """Run ``command`` from the repository root with ``threads`` intra-op threads (None: its launcher's or
+    torch's default) and no inherited launch variables, output to ``log``; raise with its tail on failure."""
+    env = {k: v for k, v in without_launch_variables(dict(os.environ)).items() if k != "OMP_NUM_THREADS"} | (
         {"OMP_NUM_THREADS": str(threads)} if threads else {})
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("$ " + shlex.join(command) + "\n")
@@ -116,7 +118,7 @@ def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str
          *callback: str) -> tuple[str, float]:
     """``train.py fit`` of ``variant`` (:func:`fit_flags`) in a fresh process; its command and wall time."""
     command = [sys.executable, "train.py", "fit", *fit_flags(cfg, net, variant, accumulate, flags, *callback)]
-    wall_s = _call(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], VARIANTS[variant].threads)
+    wall_s = call_logged(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], VARIANTS[variant].threads)
     return shlex.join(command[1:]), wall_s
 
 

@@ -31,18 +31,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, fit_flags, monitor_flags, read_monitor, \
-    short_fit_flags
+from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, call_logged, fit_flags, monitor_flags, \
+    read_monitor, short_fit_flags
 from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, paired_ratio_ci, parse, parser, \
     ratio_ci, report, table, wait_for_quiet, write_record
-from benchmarks.launcher import without_launch_variables
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
 # ResNet-18 steps: more pairs of shorter fits pin the ratio down better than fewer long ones).
@@ -95,12 +93,7 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
     (work / "config.json").write_text(json.dumps(cfg))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "benchmarks.paired_fits", "--worker", str(work / "config.json")]
-    env = without_launch_variables(dict(os.environ)) | {"OMP_NUM_THREADS": str(MATCHED_THREADS)}
-    with open(log, "w") as out:
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=cfg["timeout_s"])
-    if code != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise RuntimeError(f"paired fits failed ({code}): {' '.join(command)}\nlast lines of {log}:\n{tail}")
+    call_logged(command, log, cfg["timeout_s"], MATCHED_THREADS)
     timing = json.loads((work / _TIMING_FILE).read_text())
     shutil.rmtree(work)
     return _without_repeats(timing)
