@@ -19,11 +19,15 @@ timed optimizer steps under ``BenchmarkMonitor`` (kept: the slowest rank's time 
 differs from compare's fits: the process start, and the process group, created by the first fit and
 kept by the next ones as in any script that calls ``fit`` twice.
 
-The ratio's interval draws whole pairs, both sides of a drawn pair together, then the steps inside
-each drawn run (:func:`measure.stats.paired_ratio_ci`): drift a pair shares cancels in the ratio
-instead of widening it. The same runs drawn apart (``ratio_ci``, as compare draws its rounds) are
-reported next to it, to show what pairing changes. Verdict on the target: met when the ratio is at
-most 1.00 and its upper bound below 1.03; missed when its lower bound is above 1.00.
+The ratio judged is the geometric mean over pairs of each pair's ratio of median step times
+(:func:`measure.stats.pair_ratio_ci`); its interval draws whole pairs, both sides of a drawn pair
+together, then the steps inside each drawn run. The host's speed in a pair's minute, which both of
+its fits share, cancels in that pair's ratio. Reported next to it: the ratio of the medians of all
+pairs' steps pooled, with the same pairs drawn together (``paired_ratio_ci``: a pair run in a slow
+minute moves both pooled medians, by different amounts, so its interval is wider), and the same runs
+drawn apart (``ratio_ci``, as compare draws its rounds), to show what pairing changes. Verdict on the
+target: met when the ratio is at most 1.00 and its upper bound below 1.03; missed when its lower
+bound is above 1.00.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from typing import Any, Sequence
 
 from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, call_logged, fit_flags, monitor_flags, \
     read_monitor, short_fit_flags
-from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, paired_ratio_ci, parse, parser, \
-    ratio_ci, report, table, wait_for_quiet, write_record
+from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, pair_ratio_ci, paired_ratio_ci, parse, \
+    parser, ratio_ci, report, table, wait_for_quiet, write_record
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
 # ResNet-18 steps: more pairs of shorter fits pin the ratio down better than fewer long ones).
@@ -85,8 +89,8 @@ def worker(config_path: Path) -> None:
 
 
 def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Start the 2 ranks with torchrun and read rank 0's timing; ``out/work``, with the ranks' output, is
-    removed after a run that succeeded and kept after one that failed."""
+    """Start the 2 ranks with torchrun and read rank 0's timing from ``out/work`` (with the ranks' output;
+    :func:`main` removes it once the record is written, and keeps it when anything failed)."""
     work = Path(cfg["out"], "work")
     log = work / "paired_fits.txt"
     work.mkdir(parents=True, exist_ok=True)
@@ -94,9 +98,7 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "benchmarks.paired_fits", "--worker", str(work / "config.json")]
     call_logged(command, log, cfg["timeout_s"], MATCHED_THREADS)
-    timing = json.loads((work / _TIMING_FILE).read_text())
-    shutil.rmtree(work)
-    return _without_repeats(timing)
+    return _without_repeats(json.loads((work / _TIMING_FILE).read_text()))
 
 
 def _without_repeats(timing: dict[str, Any]) -> dict[str, Any]:
@@ -128,19 +130,21 @@ def _analyse_setting(by_variant: dict[str, list[dict[str, Any]]], accumulate: in
     pairs = [(a, b) for a, b in RATIOS if a in samples and b in samples]
     row = {"step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
            "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
+           "per_pair": {f"{a}/{b}": asdict(pair_ratio_ci(samples[a], samples[b])) for a, b in pairs},
            "paired": {f"{a}/{b}": asdict(paired_ratio_ci(samples[a], samples[b])) for a, b in pairs},
            "apart": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in pairs}}
     if accumulate > 1 and all("micro_batch_s" in run for runs in by_variant.values() for run in runs):
         kinds = {v: _micro_batches(runs, accumulate) for v, runs in by_variant.items()}
         row["micro_batch_s"] = {v: {k: asdict(median_ci(s)) for k, s in by_kind.items()} for v, by_kind in kinds.items()}
-        row["micro_batch_paired"] = {f"{a}/{b}": {k: asdict(paired_ratio_ci(kinds[a][k], kinds[b][k])) for k in
+        row["micro_batch_per_pair"] = {f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k])) for k in
                                                   kinds[a]} for a, b in pairs}
     return row
 
 
 def analyse(timing: dict[str, Any]) -> dict[str, Any]:
-    """Per net and setting: step medians per variant, every ratio drawn in pairs and drawn apart, and (when
-    accumulating) the syncing and the accumulating micro-batches' medians and paired ratios."""
+    """Per net and setting: step medians per variant, every ratio per pair, pooled with pairs drawn together
+    and drawn apart, and (when accumulating) the syncing and the accumulating micro-batches' medians and
+    per-pair ratios."""
     return {net: {acc: _analyse_setting(by_variant, int(acc)) for acc, by_variant in by_acc.items()}
             for net, by_acc in timing.items()}
 
@@ -151,10 +155,11 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     target = f"<= {TARGET['at_most']:.2f}, CI high < {TARGET['upper_bound_below']:.2f}"
     for net, by_acc in record["analysis"].items():
         for acc, row in by_acc.items():
-            for key, estimate in row["paired"].items():
+            for key, estimate in row["per_pair"].items():
                 a, b = key.split("/")
                 judged = (a, b) == RATIOS[0]
-                rows.append({"what": f"{label(a)} / {label(b)}: step time, paired fits, {net} net, accumulate {acc}",
+                rows.append({"what": f"{label(a)} / {label(b)}: step time, paired fits (geometric mean of the pairs' "
+                                     f"ratios), {net} net, accumulate {acc}",
                              "value": estimate, "unit": "x",
                              **({"target": target, "verdict": _target_verdict(estimate)} if judged else {})})
     return rows
@@ -180,12 +185,14 @@ def _setting_tables(row: dict[str, Any]) -> list[str]:
     lines = [*table(["variant", "threads", "step", "steps", *(f"{k} micro-batch" for k in kinds if micro)],
                     [[VARIANTS[v].label, ", ".join(map(str, row["threads"][v])), fmt_value(e, "s"), e["n"],
                       *(fmt_value(micro[v][k], "s") for k in kinds if micro)] for v, e in row["step_s"].items()]),
-             "", *table(["ratio of median step times", "pairs drawn together [95 % CI]", "runs drawn apart"],
-                        [[k, fmt_value(e), fmt_value(row["apart"][k])] for k, e in row["paired"].items()])]
+             "", *table(["ratio of median step times", "per pair, geometric mean [95 % CI]",
+                         "pooled, pairs drawn together", "pooled, runs drawn apart"],
+                        [[k, fmt_value(e), fmt_value(row["paired"][k]), fmt_value(row["apart"][k])]
+                         for k, e in row["per_pair"].items()])]
     if micro:
-        lines += ["", *table(["ratio of median micro-batch times, pairs drawn together", *kinds],
+        lines += ["", *table(["ratio of median micro-batch times, per pair, geometric mean", *kinds],
                              [[k, *(fmt_value(e[kind]) for kind in kinds)]
-                              for k, e in row["micro_batch_paired"].items()]),
+                              for k, e in row["micro_batch_per_pair"].items()]),
                   "", "The syncing micro-batch is the last of each step: its backward syncs the gradients and the "
                       "optimizer steps after it; the accumulating ones communicate on neither side."]
     return lines
@@ -229,7 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     quiet = wait_for_quiet(max_wait_s=max_wait_s)
     started = time.monotonic()
     timing = _run_workers(cfg)
-    return finish_run("paired_fits", cfg, quiet, argv, write, Path(cfg["out"]), started, timing=timing)
+    record = finish_run("paired_fits", cfg, quiet, argv, write, Path(cfg["out"]), started, timing=timing)
+    shutil.rmtree(Path(cfg["out"], "work"))  # only now: a failure in the analysis keeps the runs' timing.json
+    return record
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = ["INTERVALS", "SUMMARY_FIELDS", "Estimate", "Samples", "Summary", "difference_ci", "in_runs", "median_ci",
-           "paired_ratio_ci", "ratio_ci", "share_ci", "summarize"]
+           "pair_ratio_ci", "paired_ratio_ci", "ratio_ci", "share_ci", "summarize"]
 
 # Fields of a summary, in a fixed order: the benchmark callback gathers them across ranks as the
 # columns of one tensor, so every rank must produce the same keys in the same order.
@@ -99,11 +99,11 @@ def _as_runs(samples: Samples, name: str) -> list[np.ndarray]:
     return [run for run in runs if run.size]  # a rank or round without samples draws nothing
 
 
-def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
-              picked: np.ndarray | None = None) -> np.ndarray:
-    """``resamples`` rows, each the values of len(runs) runs drawn with replacement (``picked``: the run
-    indices already drawn, one row per resample) and, inside each drawn run, its steps drawn with
-    replacement; NaN pads rows that drew shorter runs."""
+def _draw(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
+          picked: np.ndarray | None = None) -> np.ndarray:
+    """``(resamples, len(runs), longest run)``: each row len(runs) runs drawn with replacement (``picked``:
+    the run indices already drawn, one row per resample) and, inside each drawn run, its steps drawn
+    with replacement; NaN pads the runs drawn shorter than the longest."""
     lengths = np.array([run.size for run in runs])
     padded = np.full((len(runs), lengths.max()), np.nan)
     for i, run in enumerate(runs):
@@ -111,12 +111,18 @@ def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
     if picked is None:
         picked = rng.integers(0, len(runs), (resamples, len(runs)))
     if padded.shape[1] == 1:  # flat values: one draw each, as a plain bootstrap
-        return padded[picked, 0]
+        return padded[picked]
     drawn_lengths = lengths[picked][..., None]
     steps = (rng.random((resamples, len(runs), padded.shape[1])) * drawn_lengths).astype(np.int64)
     drawn = padded[picked[..., None], steps]
     drawn[np.arange(padded.shape[1]) >= drawn_lengths] = np.nan
-    return drawn.reshape(resamples, -1)
+    return drawn
+
+
+def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
+              picked: np.ndarray | None = None) -> np.ndarray:
+    """:func:`_draw`'s resamples, each row's runs side by side: one row of values per resample."""
+    return _draw(runs, resamples, rng, picked).reshape(resamples, -1)
 
 
 def _bootstrap(statistic: Callable[..., Any], samples: Sequence[list[np.ndarray]], resamples: int,
@@ -156,22 +162,46 @@ def ratio_ci(numerator: Samples, denominator: Samples, resamples: int = 2000,
     return _two_sample_ci("ratio_ci", lambda x, y: _median(x) / _median(y), numerator, denominator, resamples, seed)
 
 
+def _paired_runs(name: str, numerator: Sequence[Sequence[float]],
+                 denominator: Sequence[Sequence[float]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    a_runs, b_runs = ([np.asarray(run, dtype=float).ravel() for run in side] for side in (numerator, denominator))
+    if len(a_runs) != len(b_runs) or not a_runs or any(run.size == 0 for run in a_runs + b_runs):
+        raise ValueError(f"{name} needs the same number of non-empty runs on both sides (one per pair), "
+                         f"got {[run.size for run in a_runs]} and {[run.size for run in b_runs]} samples per run")
+    return a_runs, b_runs
+
+
 def paired_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]],
                     resamples: int = 2000, seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` of paired runs: run ``i`` of both sides ran side by side
     (one pair, seconds apart), so every resample draws the same pairs for both sides, then the steps
     inside each drawn run. Drift the two runs of a pair share (the host slowing down for a minute)
-    then cancels in the ratio instead of widening its interval, as it does when runs are drawn apart."""
-    a_runs, b_runs = ([np.asarray(run, dtype=float).ravel() for run in side] for side in (numerator, denominator))
-    if len(a_runs) != len(b_runs) or not a_runs or any(run.size == 0 for run in a_runs + b_runs):
-        raise ValueError(f"paired_ratio_ci needs the same number of non-empty runs on both sides (one per pair), "
-                         f"got {[run.size for run in a_runs]} and {[run.size for run in b_runs]} samples per run")
+    then cancels in the ratio instead of widening its interval, as it does when runs are drawn apart.
+    Only partly, though: a pair run in a slow minute still moves both pooled medians, by different
+    amounts; :func:`pair_ratio_ci` takes each pair's ratio first."""
+    a_runs, b_runs = _paired_runs("paired_ratio_ci", numerator, denominator)
     rng = np.random.default_rng(seed)
     pairs = rng.integers(0, len(a_runs), (resamples, len(a_runs)))
     draws = [_resample(runs, resamples, rng, pairs) for runs in (a_runs, b_runs)]
     low, high = np.percentile(_median(draws[0]) / _median(draws[1]), [2.5, 97.5])
     a, b = np.concatenate(a_runs), np.concatenate(b_runs)
     return Estimate(float(np.median(a) / np.median(b)), float(low), float(high), int(min(a.size, b.size)))
+
+
+def pair_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]],
+                  resamples: int = 2000, seed: int = 0) -> Estimate:
+    """The geometric mean over pairs of each pair's ``median(numerator run) / median(denominator run)``,
+    with a bootstrap 95 % interval drawing the same pairs on both sides, then the steps inside each
+    drawn run. A pair's ratio is taken before pairs are combined, so the host's speed in the minute
+    of a pair (shared by its two runs) cancels in it whole: pairs run in a slow minute weigh no
+    more than others, as they do when every pair's steps are pooled first (:func:`paired_ratio_ci`)."""
+    a_runs, b_runs = _paired_runs("pair_ratio_ci", numerator, denominator)
+    rng = np.random.default_rng(seed)
+    pairs = rng.integers(0, len(a_runs), (resamples, len(a_runs)))
+    a, b = (_median(_draw(runs, resamples, rng, pairs)) for runs in (a_runs, b_runs))
+    low, high = np.exp(np.percentile(np.mean(np.log(a / b), axis=-1), [2.5, 97.5]))
+    log_ratios = [np.log(np.median(x) / np.median(y)) for x, y in zip(a_runs, b_runs)]
+    return Estimate(float(np.exp(np.mean(log_ratios))), float(low), float(high), len(a_runs))
 
 
 def difference_ci(minuend: Samples, subtrahend: Samples, resamples: int = 2000,

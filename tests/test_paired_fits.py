@@ -31,13 +31,16 @@ def _timing(ratio: float, pairs: int = 20, seed: int = 0) -> dict:
 
 def test_pairs_drawn_together_decide_what_runs_drawn_apart_cannot():
     row = analyse(_timing(0.97))["template"]["1"]
-    paired, apart = row["paired"]["custom_ddp_localbn/ddp_tuned"], row["apart"]["custom_ddp_localbn/ddp_tuned"]
+    per_pair, paired, apart = (row[k]["custom_ddp_localbn/ddp_tuned"] for k in ("per_pair", "paired", "apart"))
     assert paired["value"] == apart["value"] == pytest.approx(0.97, abs=0.01)
-    assert paired["high"] < 1.0 < apart["high"]  # the drift between pairs widens only the unpaired interval
-    assert _target_verdict(paired) == "met" and _target_verdict(apart) == "undecided"
+    assert per_pair["value"] == pytest.approx(0.97, abs=0.01) and per_pair["n"] == 20  # pairs
+    assert per_pair["high"] < 1.0 < apart["high"]  # the drift between pairs widens only the unpaired interval
+    assert per_pair["high"] - per_pair["low"] < paired["high"] - paired["low"]
+    assert _target_verdict(per_pair) == "met" and _target_verdict(apart) == "undecided"
     rows = headline({"analysis": {"template": {"1": row}}})
     assert [r["verdict"] for r in rows] == ["met"] and rows[0]["target"] == "<= 1.00, CI high < 1.03"
-    assert "paired fits, template net, accumulate 1" in rows[0]["what"]
+    assert rows[0]["value"] == per_pair  # the verdict judges the per-pair ratio
+    assert "paired fits (geometric mean of the pairs' ratios), template net, accumulate 1" in rows[0]["what"]
 
 
 def test_micro_batches_split_into_the_syncing_one_and_the_accumulating_ones():
@@ -50,20 +53,20 @@ def test_micro_batches_split_into_the_syncing_one_and_the_accumulating_ones():
             step = [micro[i] + micro[i + 1] for i in range(0, 16, 2)]
             runs[variant].append({"pair": pair, "step_s": step, "micro_batch_s": micro, "threads": 1})
     row = analyse({"template": {"2": runs}})["template"]["2"]
-    split = row["micro_batch_paired"]["custom_ddp_localbn/ddp_tuned"]
-    assert split["syncing"]["value"] == pytest.approx(0.8, abs=0.01) and split["syncing"]["n"] == 80
+    split = row["micro_batch_per_pair"]["custom_ddp_localbn/ddp_tuned"]
+    assert split["syncing"]["value"] == pytest.approx(0.8, abs=0.01) and split["syncing"]["n"] == 10
     assert split["accumulating"]["value"] == pytest.approx(1.0, abs=0.01)
     assert row["paired"]["custom_ddp_localbn/ddp_tuned"]["value"] == pytest.approx(0.9, abs=0.01)
     assert row["micro_batch_s"]["ddp_tuned"]["syncing"]["value"] == pytest.approx(0.1, abs=0.002)
     del runs["ddp_tuned"][0]["micro_batch_s"]  # a record from before micro-batches were kept: steps only
-    assert "micro_batch_paired" not in analyse({"template": {"2": runs}})["template"]["2"]
+    assert "micro_batch_per_pair" not in analyse({"template": {"2": runs}})["template"]["2"]
 
 
 def test_target_verdicts():
     assert _target_verdict({"value": 1.01, "low": 0.99, "high": 1.02}) == "undecided"  # point above 1.00
     assert _target_verdict({"value": 0.99, "low": 0.95, "high": 1.04}) == "undecided"  # bound not below 1.03
     assert _target_verdict({"value": 1.05, "low": 1.01, "high": 1.08}) == "missed"
-    assert _target_verdict(analyse(_timing(1.08))["template"]["1"]["paired"]["custom_ddp_localbn/ddp_tuned"]) \
+    assert _target_verdict(analyse(_timing(1.08))["template"]["1"]["per_pair"]["custom_ddp_localbn/ddp_tuned"]) \
         == "missed"
 
 
@@ -99,7 +102,7 @@ def test_paired_fits_end_to_end_quick(tmp_path):
     assert custom["class"].endswith("CustomDDPStrategy") and custom["sync_batchnorm"] is False
     assert ddp["class"].endswith(".DDPStrategy") and ddp["gradient_as_bucket_view"] is True
     assert [len(run["micro_batch_s"]) for [run] in runs.values()] == [4, 4]  # 2 steps of 2 micro-batches
-    assert set(record["analysis"]["template"]["2"]["micro_batch_paired"]["custom_ddp_localbn/ddp_tuned"]) == {
+    assert set(record["analysis"]["template"]["2"]["micro_batch_per_pair"]["custom_ddp_localbn/ddp_tuned"]) == {
         "syncing", "accumulating"}
     assert record["headline"][0]["verdict"] in ("met", "missed", "undecided")
     assert "pairs drawn together" in (out / "results.md").read_text()

@@ -31,8 +31,8 @@ def test_block_renders_headline_rows_and_quietness(tmp_path):
     (tmp_path / "unshown" / "results.json").write_text(json.dumps({"rows": []}))
     block = render_block(tmp_path)
     assert block.startswith(BEGIN) and block.endswith(END)
-    assert "| a / b: step time | 1.02 [0.99, 1.06] | met, target <= 1.2 |" in block and "| calls | 3 | – |" in block
-    assert "NOT comparable" in block and "30 %" in block and "unshown" not in block
+    assert "| a / b: step time | 1.02 [0.990, 1.06] | met, target <= 1.2 |" in block and "| calls | 3 | – |" in block
+    assert "NOT comparable" in block and "30.0 %" in block and "unshown" not in block
     assert "Intervals too narrow" in block  # intervals, and no word that they drew whole runs
     record["intervals"] = "runs"
     (folder / "results.json").write_text(json.dumps(record))
