@@ -2,6 +2,7 @@
 
     python -m benchmarks.paired_fits                              # ~70 minutes on 2 Zen 3 cores, ~20 on Zen 5
     python -m benchmarks.paired_fits --nets template --pairs 40   # the template net alone: ~25 minutes on Zen 3
+    python -m benchmarks.paired_fits --nets template --accumulate 2 4 --pairs 120   # ~60 minutes on Zen 3
     python -m benchmarks.paired_fits --quick --out /tmp/paired    # smoke run, under a minute
 
 Why: ``benchmarks.compare`` times every variant in fresh ``python train.py fit`` processes, round after

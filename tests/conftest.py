@@ -30,6 +30,16 @@ def _no_leaked_launch_variables() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _nothing_written_where_pytest_runs() -> Iterator[None]:
+    # Tests write under tmp_path. A Trainer left without default_root_dir saves its checkpoints (a stop's
+    # preempted.ckpt) and logs into the working directory: in a checkout, next to the code.
+    before = set(os.listdir())
+    yield
+    new = sorted(set(os.listdir()) - before - {".pytest_cache", "__pycache__"})
+    assert not new, f"the test wrote {new} into {os.getcwd()}: give its Trainer default_root_dir=tmp_path"
+
+
+@pytest.fixture(autouse=True)
 def _single_thread() -> None:
     # Several test processes and helpers share 2 cores; more intra-op threads only oversubscribe.
     torch.set_num_threads(1)

@@ -71,7 +71,8 @@ def test_readme_training_conformance_table_matches_its_record():
     assert current == fresh, "README.md's training table is stale: run python -m conformance.training_table"
 
 
-@pytest.mark.parametrize("name", ["compare_localbn", "syncbn", "paired_fits_template_zen3"])
+@pytest.mark.parametrize("name", ["compare_localbn", "syncbn", "paired_fits_template_zen3",
+                                  "paired_fits_resnet18_acc4_zen3"])
 def test_committed_records_are_derived_by_todays_analysis(tmp_path, name):
     """Re-deriving a committed record from its raw samples changes nothing: its estimates are today's."""
     folder = tmp_path / name
