@@ -33,14 +33,15 @@ import torch
 
 from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, ratio_ci, \
-    share_ci
+from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, \
+    ratio_ci, share_ci
 from measure.timing import aligned_seconds, slowest_rank
 
 __all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
            "fmt_value", "headline_row", "headline_table", "in_runs", "interleave", "machine", "make_record", "measure_peak",
            "median_ci", "pair_ratio_ci", "paired_ratio_ci", "parse", "parse_step_rounds", "parser", "plot_estimates",
-           "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet", "write_record"]
+           "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet",
+           "write_record"]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -132,7 +133,12 @@ def fmt_bytes(n: float) -> str:
 _SHOWN = {"s": (1e3, " ms"), "%": (100.0, " %"), "x": (1.0, "")}  # record unit -> (scale, shown unit)
 
 
-def _three_digits(v: float) -> str:
+def _shown(v: float, unit: str, scale: float) -> str:
+    if unit == "B":
+        return fmt_bytes(v)
+    if isinstance(v, int) and scale == 1:  # a count stays a count
+        return str(v)
+    v = scale * v
     # Trailing zeros kept ("1.00", not "1"): a ratio of 1.004 must not read as exactly 1 next to a verdict.
     return "0" if v == 0 else f"{v:.0f}" if abs(v) >= 1000 else f"{v:#.3g}".rstrip(".")
 
@@ -145,7 +151,7 @@ def fmt_value(value: Any, unit: str = "") -> str:
         return " / ".join(fmt_value(v, unit) for v in value)
     e = value if isinstance(value, dict) else {"value": value}
     scale, suffix = _SHOWN.get(unit, (1.0, "" if unit in ("", "B") else f" {unit}"))
-    show = fmt_bytes if unit == "B" else lambda v: str(v) if isinstance(v, int) and scale == 1 else _three_digits(scale * v)
+    show = lambda v: _shown(v, unit, scale)  # noqa: E731
     return show(e["value"]) + (f" [{show(e['low'])}, {show(e['high'])}]" if "low" in e else "") + suffix
 
 

@@ -137,8 +137,8 @@ def _analyse_setting(by_variant: dict[str, list[dict[str, Any]]], accumulate: in
     if accumulate > 1 and all("micro_batch_s" in run for runs in by_variant.values() for run in runs):
         kinds = {v: _micro_batches(runs, accumulate) for v, runs in by_variant.items()}
         row["micro_batch_s"] = {v: {k: asdict(median_ci(s)) for k, s in by_kind.items()} for v, by_kind in kinds.items()}
-        row["micro_batch_per_pair"] = {f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k])) for k in
-                                                  kinds[a]} for a, b in pairs}
+        row["micro_batch_per_pair"] = {f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k]))
+                                                    for k in kinds[a]} for a, b in pairs}
     return row
 
 

@@ -194,7 +194,8 @@ def pair_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Se
     with a bootstrap 95 % interval drawing the same pairs on both sides, then the steps inside each
     drawn run. A pair's ratio is taken before pairs are combined, so the host's speed in the minute
     of a pair (shared by its two runs) cancels in it whole: pairs run in a slow minute weigh no
-    more than others, as they do when every pair's steps are pooled first (:func:`paired_ratio_ci`)."""
+    more than others, as they do when every pair's steps are pooled first (:func:`paired_ratio_ci`).
+    The estimate's ``n`` counts pairs."""
     a_runs, b_runs = _paired_runs("pair_ratio_ci", numerator, denominator)
     rng = np.random.default_rng(seed)
     pairs = rng.integers(0, len(a_runs), (resamples, len(a_runs)))
