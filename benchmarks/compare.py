@@ -211,7 +211,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
             "accumulates": [2] if args.quick else sorted(set(args.accumulates)), "rounds": 1 if args.quick else
             args.rounds, "accuracy_epochs": 1 if args.quick else args.accuracy_epochs, "train_size": 640 if args.quick
             else 6_000, "test_size": 64 if args.quick else 1_000, "run_timeout_s": 1800.0,
-            "variants": args.variants, "timing_only": args.timing_only}, args.max_wait_s
+            "variants": args.variants, "timing_only": args.timing_only,
+            **({"data_dir": str(out / "data")} if args.quick else {})}, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

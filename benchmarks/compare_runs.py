@@ -109,9 +109,11 @@ def fit_flags(cfg: dict[str, Any], net: str, variant: str, accumulate: int, flag
               "data.synthetic_train_size": cfg["train_size"], "data.synthetic_test_size": cfg["test_size"],
               "trainer.accelerator": "cpu", "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
     kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
+    # A --quick run keeps its synthetic data in its own folder; a full run shares the checkout's data/.
+    data = {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}
     own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
-    return [*(_flag(k, x) for k, x in (shared | kwargs).items()), *v.flags, *(_flag(k, x) for k, x in own.items()),
-            *callback]
+    return [*(_flag(k, x) for k, x in (shared | kwargs | data).items()), *v.flags,
+            *(_flag(k, x) for k, x in own.items()), *callback]
 
 
 def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str, flags: dict[str, object],

@@ -220,7 +220,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
            "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
            "pairs": 1 if args.quick else args.pairs, "variants": args.variants,
            "train_size": 640 if args.quick else 6_000, "test_size": 64 if args.quick else 1_000,
-           "timeout_s": 4 * 3600.0,
+           "timeout_s": 4 * 3600.0, **({"data_dir": str(out / "data")} if args.quick else {}),
            "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets}}
     return cfg, args.max_wait_s
 

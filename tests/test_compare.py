@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.compare import analyse, headline, parse_config
-from benchmarks.compare_runs import MATCHED_THREADS, VARIANTS, variants_for
+from benchmarks.compare_runs import MATCHED_THREADS, VARIANTS, fit_flags, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +79,10 @@ def test_compare_arguments(capsys):
     cfg, max_wait_s = parse_config(["--quick", "--out", "/tmp/compare_quick", "--nets", "resnet18"])
     assert cfg["accumulates"] == [2] and cfg["rounds"] == 1 and max_wait_s == 0.0
     assert list(cfg["nets"]) == ["resnet18"] and cfg["nets"]["resnet18"]["steps"] == 3
+    assert "--data.data_dir=/tmp/compare_quick/data" in fit_flags(cfg, "resnet18", "ddp_tuned", 2, {})
     full, max_wait_s = parse_config(["--accumulate", "4", "1", "4"])
     assert full["accumulates"] == [1, 4] and full["out"] == "benchmarks/results/compare" and max_wait_s == 300.0
+    assert not any(flag.startswith("--data.data_dir") for flag in fit_flags(full, "resnet18", "ddp_tuned", 2, {}))
     with pytest.raises(SystemExit):  # a smoke run never writes into the committed results
         parse_config(["--quick", "--out", "benchmarks/results/compare"])
     assert "--quick never writes into the committed results" in capsys.readouterr().err

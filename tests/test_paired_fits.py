@@ -106,3 +106,4 @@ def test_paired_fits_end_to_end_quick(tmp_path):
         "syncing", "accumulating"}
     assert record["headline"][0]["verdict"] in ("met", "missed", "undecided")
     assert "pairs drawn together" in (out / "results.md").read_text()
+    assert (out / "data" / "synthetic").is_dir()  # the smoke run's data stay in its folder, not the checkout's
