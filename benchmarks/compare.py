@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.compare_runs import (
-    BASE_CONFIG, REPO_ROOT, VARIANTS, accuracy_run, collectives_run, timing_run, variants_for)
+    BASE_CONFIG, REPO_ROOT, VARIANTS, accuracy_run, collectives_run, run_settings, timing_run, variants_for)
 from benchmarks.harness import (
     difference_ci, finish_run, fmt_bytes, fmt_value, headline_row, interleave, median_ci, parse, parser,
     plot_estimates, ratio_ci, report, share_ci, table, wait_for_quiet, write_record)
@@ -205,14 +205,11 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
         p.error(f"--accumulate, --rounds and --accuracy-epochs must be >= 1, got {args.accumulates}, {args.rounds}, "
                 f"{args.accuracy_epochs}")
     quick = {"warmup_steps": 1, "steps": 3} if args.quick else {}
-    out = args.out.resolve()  # relative to the repository root, where the runs start
-    return {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
+    return {**run_settings(args.out, args.quick),
             "nets": {net: NETS[net] | quick for net in args.nets}, "base_config": BASE_CONFIG,
             "accumulates": [2] if args.quick else sorted(set(args.accumulates)), "rounds": 1 if args.quick else
-            args.rounds, "accuracy_epochs": 1 if args.quick else args.accuracy_epochs, "train_size": 640 if args.quick
-            else 6_000, "test_size": 64 if args.quick else 1_000, "run_timeout_s": 1800.0,
-            "variants": args.variants, "timing_only": args.timing_only,
-            **({"data_dir": str(out / "data")} if args.quick else {})}, args.max_wait_s
+            args.rounds, "accuracy_epochs": 1 if args.quick else args.accuracy_epochs, "run_timeout_s": 1800.0,
+            "variants": args.variants, "timing_only": args.timing_only}, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -100,6 +100,15 @@ def call_logged(command: list[str], log: Path, timeout_s: float, threads: int | 
     return time.perf_counter() - start
 
 
+def run_settings(out: Path, quick: bool) -> dict[str, Any]:
+    """The runs' folder (relative to the repository root, where they start, when inside it) and their data:
+    ``--quick``'s tiny synthetic sets kept in its own folder, full ones in the checkout's ``data/``."""
+    out = out.resolve()
+    return {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
+            "train_size": 640 if quick else 6_000, "test_size": 64 if quick else 1_000,
+            **({"data_dir": str(out / "data")} if quick else {})}
+
+
 def fit_flags(cfg: dict[str, Any], net: str, variant: str, accumulate: int, flags: dict[str, object],
               *callback: str) -> list[str]:
     """The ``train.py fit`` options of ``variant``: the shared flags, ``flags`` and ``callback``."""
@@ -109,8 +118,7 @@ def fit_flags(cfg: dict[str, Any], net: str, variant: str, accumulate: int, flag
               "data.synthetic_train_size": cfg["train_size"], "data.synthetic_test_size": cfg["test_size"],
               "trainer.accelerator": "cpu", "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
     kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
-    # A --quick run keeps its synthetic data in its own folder; a full run shares the checkout's data/.
-    data = {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}
+    data = {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}  # see run_settings
     own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
     return [*(_flag(k, x) for k, x in (shared | kwargs | data).items()), *v.flags,
             *(_flag(k, x) for k, x in own.items()), *callback]
@@ -120,7 +128,8 @@ def _fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, name: str
          *callback: str) -> tuple[str, float]:
     """``train.py fit`` of ``variant`` (:func:`fit_flags`) in a fresh process; its command and wall time."""
     command = [sys.executable, "train.py", "fit", *fit_flags(cfg, net, variant, accumulate, flags, *callback)]
-    wall_s = call_logged(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], VARIANTS[variant].threads)
+    wall_s = call_logged(command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"],
+                         VARIANTS[variant].threads)
     return shlex.join(command[1:]), wall_s
 
 

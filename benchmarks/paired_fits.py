@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, call_logged, fit_flags, monitor_flags, \
-    read_monitor, short_fit_flags
+    read_monitor, run_settings, short_fit_flags
 from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, pair_ratio_ci, paired_ratio_ci, parse, \
     parser, ratio_ci, report, table, wait_for_quiet, write_record
 
@@ -214,13 +214,10 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
         p.error(f"--accumulate and --pairs must be >= 1 and --variants name 2 or more variants, got "
                 f"{args.accumulates}, {args.pairs}, {args.variants}")
     nets = ["template"] if args.quick else args.nets
-    out = args.out.resolve()
-    cfg = {"out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
+    cfg = {**run_settings(args.out, args.quick),
            "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
            "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
-           "pairs": 1 if args.quick else args.pairs, "variants": args.variants,
-           "train_size": 640 if args.quick else 6_000, "test_size": 64 if args.quick else 1_000,
-           "timeout_s": 4 * 3600.0, **({"data_dir": str(out / "data")} if args.quick else {}),
+           "pairs": 1 if args.quick else args.pairs, "variants": args.variants, "timeout_s": 4 * 3600.0,
            "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets}}
     return cfg, args.max_wait_s
 
