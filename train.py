@@ -89,6 +89,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
+
 # Every project callback imported (callbacks/ loads them lazily), so configs may name it by its short class name.
 from callbacks import BenchmarkMonitor, CollectiveCounter, PredictionWriter, RunHparams  # noqa: F401
 from callbacks.run_hparams import strategy_name
@@ -123,8 +124,11 @@ _OPTIMIZER_HELP = (
 
 def _custom_ddp_names() -> dict[str, tuple[type, dict[str, Any]]]:
     """Registered names of CustomDDPStrategy (custom_ddp, _fork, _spawn) -> (class, registered init args)."""
-    return {name: (entry["strategy"], entry["init_params"]) for name, entry in StrategyRegistry.items()
-            if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], CustomDDPStrategy)}
+    return {
+        name: (entry["strategy"], entry["init_params"])
+        for name, entry in StrategyRegistry.items()
+        if isinstance(entry["strategy"], type) and issubclass(entry["strategy"], CustomDDPStrategy)
+    }
 
 
 def _expand_strategy_name(argv: list[str]) -> list[str]:
@@ -145,7 +149,7 @@ def _expand_strategy_name(argv: list[str]) -> list[str]:
         value = argv[i + 1] if width == 2 else value
         entry = names.get(value.lower()) if flag == _STRATEGY else None  # the Trainer lower-cases names too
         if entry is None:
-            expanded += argv[i:i + width]
+            expanded += argv[i : i + width]
         else:
             cls, init_params = entry
             expanded.append(f"{_STRATEGY}={cls.__module__}.{cls.__qualname__}")
@@ -163,8 +167,10 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
     metrics = trainer.callback_metrics
     if "val/acc1" in metrics:
         top5 = f", top-5 {100 * float(metrics['val/acc5']):.1f} %" if "val/acc5" in metrics else ""
-        validation = (f"top-1 {100 * float(metrics['val/acc1']):.1f} %{top5} (chance: 1 %), after "
-                      f"{trainer.current_epoch} epoch(s), {trainer.global_step} optimizer steps")
+        validation = (
+            f"top-1 {100 * float(metrics['val/acc1']):.1f} %{top5} (chance: 1 %), after "
+            f"{trainer.current_epoch} epoch(s), {trainer.global_step} optimizer steps"
+        )
     else:
         validation = "none ran (limit_val_batches=0?)"
     used = getattr(datamodule, "dataset_used", None)
@@ -178,22 +184,26 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
         data = str(used)
     logger = trainer.logger
     if isinstance(logger, TensorBoardLogger):
-        tensorboard = f"tensorboard --logdir {display_path(logger.root_dir)}   (this run: {display_path(logger.log_dir)})"
+        tensorboard = (
+            f"tensorboard --logdir {display_path(logger.root_dir)}   (this run: {display_path(logger.log_dir)})"
+        )
     else:
         tensorboard = "no TensorBoard logger in this run"
     checkpoint = trainer.checkpoint_callback
     saved = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
     bar = "=" * 78
-    return "\n".join([
-        bar,
-        f"lit-cifar fit done: {strategy_name(trainer.strategy)} on {trainer.world_size} process(es), "
-        f"wall time {_minutes(wall_s)} (start of train.py to now)",
-        f"  validation  {validation}",
-        f"  data        {data}",
-        f"  TensorBoard {tensorboard}",
-        f"  checkpoint  {display_path(saved) if saved else 'none saved'}",
-        bar,
-    ])
+    return "\n".join(
+        [
+            bar,
+            f"lit-cifar fit done: {strategy_name(trainer.strategy)} on {trainer.world_size} process(es), "
+            f"wall time {_minutes(wall_s)} (start of train.py to now)",
+            f"  validation  {validation}",
+            f"  data        {data}",
+            f"  TensorBoard {tensorboard}",
+            f"  checkpoint  {display_path(saved) if saved else 'none saved'}",
+            bar,
+        ]
+    )
 
 
 class LitCifarCLI(LightningCLI):
@@ -238,8 +248,9 @@ class LitCifarCLI(LightningCLI):
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())
         # Every fit / validate / test shows up in TensorBoard's HPARAMS tab with its strategy and options.
-        if self.subcommand in ("fit", "validate", "test") and not any(isinstance(cb, RunHparams)
-                                                                     for cb in trainer.callbacks):
+        if self.subcommand in ("fit", "validate", "test") and not any(
+            isinstance(cb, RunHparams) for cb in trainer.callbacks
+        ):
             trainer.callbacks.append(RunHparams())
         return trainer
 

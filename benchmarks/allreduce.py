@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -38,21 +39,52 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import (
-    aligned_seconds, fmt_bytes, fmt_value, finish_run, headline_row, in_runs, measure_peak, median_ci, parse, parser,
-    plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, wait_for_quiet, write_record)
-from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
+    aligned_seconds,
+    finish_run,
+    fmt_bytes,
+    fmt_value,
+    headline_row,
+    in_runs,
+    measure_peak,
+    median_ci,
+    parse,
+    parser,
+    plot_estimates,
+    ratio_ci,
+    report,
+    slowest_rank,
+    table,
+    timed_rounds,
+    wait_for_quiet,
+    write_record,
+)
 from benchmarks.launcher import run_workers
+from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 
 MiB = 1 << 20
 CONFIG_LIMIT_S = 300.0  # the assignment's per-configuration limit
 TITLE = "All-reduce: ring vs butterfly vs dist.all_reduce, and bandwidth"
 RING_TARGET_RATIO, RING_TARGET_WORLD_SIZES, REL_ERR_TARGET = 1.5, (2, 4, 8), 1e-6
 SLOW_CALL_S = 2e-3  # between the fast mode (~0.3-0.5 ms at 2 ranks) and the ~3.5 ms stall mode
-FULL = {"compare_world_sizes": [1, 2, 4, 8, 16, 32], "compare_numels": [1_000, 10_000, 100_000], "warmup": 5,
-        "rounds": 10, "iters": 10, "bandwidth_world_sizes": [2, 4, 6],
-        "bandwidth_bytes": [1 * MiB, 10 * MiB, 100 * MiB, 1024 * MiB]}
-QUICK = {**FULL, "compare_world_sizes": [1, 2, 4], "compare_numels": [1_000, 100_000], "warmup": 2,
-         "rounds": 3, "iters": 4, "bandwidth_world_sizes": [2], "bandwidth_bytes": [1 * MiB, 10 * MiB]}
+FULL = {
+    "compare_world_sizes": [1, 2, 4, 8, 16, 32],
+    "compare_numels": [1_000, 10_000, 100_000],
+    "warmup": 5,
+    "rounds": 10,
+    "iters": 10,
+    "bandwidth_world_sizes": [2, 4, 6],
+    "bandwidth_bytes": [1 * MiB, 10 * MiB, 100 * MiB, 1024 * MiB],
+}
+QUICK = {
+    **FULL,
+    "compare_world_sizes": [1, 2, 4],
+    "compare_numels": [1_000, 100_000],
+    "warmup": 2,
+    "rounds": 3,
+    "iters": 4,
+    "bandwidth_world_sizes": [2],
+    "bandwidth_bytes": [1 * MiB, 10 * MiB],
+}
 
 
 def _torch_average(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,7 +93,10 @@ def _torch_average(tensor: torch.Tensor) -> torch.Tensor:
 
 
 METHODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "ring": ring_all_reduce, "butterfly": butterfly_all_reduce, "all_reduce": _torch_average}
+    "ring": ring_all_reduce,
+    "butterfly": butterfly_all_reduce,
+    "all_reduce": _torch_average,
+}
 
 
 def _rank_data(seed: int, rank: int, numel: int) -> torch.Tensor:
@@ -89,7 +124,7 @@ def _memory(data: torch.Tensor) -> dict[str, dict]:
     out = {}
     for name, method in METHODS.items():
         work = data.clone()
-        _, peak = measure_peak(lambda: method(work))
+        _, peak = measure_peak(lambda m=method, w=work: m(w))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # every rank: same calls
             method(work)
         allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events() if e.name != "[memory]")
@@ -103,8 +138,11 @@ def compare_worker(rank: int, world_size: int, numels: list[int], cfg: dict, see
     for numel in numels:
         data = _rank_data(seed, rank, numel)
         work = torch.empty_like(data)  # every call averages the same input; the copy is outside the timing
-        samples = timed_rounds({name: lambda m=method: m(work) for name, method in METHODS.items()}, cfg,
-                               prepare=lambda _: work.copy_(data))
+        samples = timed_rounds(
+            {name: lambda m=method, w=work: m(w) for name, method in METHODS.items()},
+            cfg,
+            prepare=lambda _, w=work, d=data: w.copy_(d),
+        )
         out[numel] = {"samples": samples, "accuracy": _accuracy(rank, world_size, data, seed), "memory": _memory(data)}
     return out
 
@@ -114,8 +152,9 @@ def run_compare(cfg: dict, seed: int, cores: int) -> list[dict]:
     rows = []
     for world_size in cfg["compare_world_sizes"]:
         print(f"[compare] world_size={world_size}", flush=True)
-        per_rank = run_workers(compare_worker, world_size, args=(cfg["compare_numels"], cfg, seed),
-                               timeout_s=CONFIG_LIMIT_S)
+        per_rank = run_workers(
+            compare_worker, world_size, args=(cfg["compare_numels"], cfg, seed), timeout_s=CONFIG_LIMIT_S
+        )
         rows += [compare_row(world_size, numel, per_rank, cores, cfg["iters"]) for numel in cfg["compare_numels"]]
     return rows
 
@@ -137,20 +176,35 @@ def run_bandwidth(cfg: dict, device: str, cores: int) -> list[dict]:
         backend, world_sizes = "nccl", sorted({min(ws, torch.cuda.device_count()) for ws in world_sizes})
     for world_size, nbytes in ((ws, b) for ws in world_sizes for b in cfg["bandwidth_bytes"]):
         print(f"[bandwidth] {backend} world_size={world_size} bytes={nbytes}", flush=True)
-        row = {"world_size": world_size, "bytes": nbytes, "backend": backend,
-               "oversubscribed": backend == "gloo" and world_size > cores}
+        row = {
+            "world_size": world_size,
+            "bytes": nbytes,
+            "backend": backend,
+            "oversubscribed": backend == "gloo" and world_size > cores,
+        }
         # Each rank holds the tensor; gloo's ring scratch is segment-sized (measured: +7 MiB peak RSS
         # at 100 MiB), so 1.25x the tensors plus 1 GiB for the processes themselves is ample.
         needed, available = 1.25 * world_size * nbytes + 2**30, psutil.virtual_memory().available
         if backend == "gloo" and needed > 0.8 * available:
-            rows.append(row | {"status": f"skipped: needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB "
-                                         "available"})
+            rows.append(
+                row | {"status": f"skipped: needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"}
+            )
             continue
         warmup, repeats = (1, 5) if nbytes >= 512 * MiB else (2, 10) if nbytes >= 64 * MiB else (3, 30)
         try:
-            rows.append(bandwidth_row(row, run_workers(
-                bandwidth_worker, world_size, args=(nbytes // 4, warmup, repeats), backend=backend,
-                timeout_s=CONFIG_LIMIT_S, start_method="spawn" if backend == "nccl" else "fork")))
+            rows.append(
+                bandwidth_row(
+                    row,
+                    run_workers(
+                        bandwidth_worker,
+                        world_size,
+                        args=(nbytes // 4, warmup, repeats),
+                        backend=backend,
+                        timeout_s=CONFIG_LIMIT_S,
+                        start_method="spawn" if backend == "nccl" else "fork",
+                    ),
+                )
+            )
         except TimeoutError as err:
             rows.append(row | {"status": f"failed: over the {CONFIG_LIMIT_S:.0f} s limit ({err})"})
     return rows
@@ -160,20 +214,34 @@ def compare_estimates(samples: dict[str, list[float]], run_length: int) -> dict[
     """Medians and ratios to dist.all_reduce (CIs) from a row's slowest-rank samples, kept flat in rounds of
     ``run_length`` calls (each round is resampled whole)."""
     runs = {name: in_runs(values, run_length) for name, values in samples.items()}
-    return {"median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
-            "ratios": {f"{name}/all_reduce": asdict(ratio_ci(runs[name], runs["all_reduce"]))
-                       for name in ("ring", "butterfly")}}
+    return {
+        "median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
+        "ratios": {
+            f"{name}/all_reduce": asdict(ratio_ci(runs[name], runs["all_reduce"])) for name in ("ring", "butterfly")
+        },
+    }
 
 
 def compare_row(world_size: int, numel: int, per_rank: list[dict], cores: int, run_length: int) -> dict[str, Any]:
     """One (world size, size) row: :func:`compare_estimates`, accuracy, memory."""
     samples = {name: slowest_rank([r[numel]["samples"][name] for r in per_rank]) for name in METHODS}
-    accuracy = {name: {**per_rank[0][numel]["accuracy"][name],
-                       "identical": all(r[numel]["accuracy"][name]["identical"] for r in per_rank)}
-                for name in METHODS}
-    return {"world_size": world_size, "numel": numel, "oversubscribed": world_size > cores,
-            "threads": per_rank[0]["threads"], **compare_estimates(samples, run_length),
-            "accuracy": accuracy, "memory": per_rank[0][numel]["memory"], "samples_s": samples}
+    accuracy = {
+        name: {
+            **per_rank[0][numel]["accuracy"][name],
+            "identical": all(r[numel]["accuracy"][name]["identical"] for r in per_rank),
+        }
+        for name in METHODS
+    }
+    return {
+        "world_size": world_size,
+        "numel": numel,
+        "oversubscribed": world_size > cores,
+        "threads": per_rank[0]["threads"],
+        **compare_estimates(samples, run_length),
+        "accuracy": accuracy,
+        "memory": per_rank[0][numel]["memory"],
+        "samples_s": samples,
+    }
 
 
 def bandwidth_row(row: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,11 +249,21 @@ def bandwidth_row(row: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[s
     samples = slowest_rank([r["samples"] for r in per_rank])
     latency = median_ci(samples)
     # Bandwidth falls as time rises: the CI bounds swap.
-    algbw = {"value": row["bytes"] / latency.value / 1e9, "low": row["bytes"] / latency.high / 1e9,
-             "high": row["bytes"] / latency.low / 1e9, "n": latency.n}
+    algbw = {
+        "value": row["bytes"] / latency.value / 1e9,
+        "low": row["bytes"] / latency.high / 1e9,
+        "high": row["bytes"] / latency.low / 1e9,
+        "n": latency.n,
+    }
     bus = 2 * (row["world_size"] - 1) / row["world_size"]
-    return row | {"status": "ok", "threads": per_rank[0]["threads"], "median_s": asdict(latency), "algbw_GBps": algbw,
-                  "busbw_GBps": {k: v * bus if k != "n" else v for k, v in algbw.items()}, "samples_s": samples}
+    return row | {
+        "status": "ok",
+        "threads": per_rank[0]["threads"],
+        "median_s": asdict(latency),
+        "algbw_GBps": algbw,
+        "busbw_GBps": {k: v * bus if k != "n" else v for k, v in algbw.items()},
+        "samples_s": samples,
+    }
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -194,17 +272,36 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     numel = max((r["numel"] for r in compare), default=0)
     for row in (r for r in compare if r["numel"] == numel and r["world_size"] in RING_TARGET_WORLD_SIZES):
         at = f"{numel:,} float32, {row['world_size']} ranks" + (" (time-shared cores)" if row["oversubscribed"] else "")
-        rows += [headline_row(f"{m} / dist.all_reduce: time per call, {at}", row["ratios"][f"{m}/all_reduce"], "x",
-                              RING_TARGET_RATIO if m == "ring" else None) for m in ("ring", "butterfly")]
+        rows += [
+            headline_row(
+                f"{m} / dist.all_reduce: time per call, {at}",
+                row["ratios"][f"{m}/all_reduce"],
+                "x",
+                RING_TARGET_RATIO if m == "ring" else None,
+            )
+            for m in ("ring", "butterfly")
+        ]
     if compare:
         worst = max(r["accuracy"][m]["rel_err"] for r in compare for m in ("ring", "butterfly"))
-        rows.append(headline_row("ring and butterfly: worst relative error vs the fp64 mean, every configuration",
-                                 worst, "", REL_ERR_TARGET))
+        rows.append(
+            headline_row(
+                "ring and butterfly: worst relative error vs the fp64 mean, every configuration",
+                worst,
+                "",
+                REL_ERR_TARGET,
+            )
+        )
     ok = [r for r in record["bandwidth"] if r["status"] == "ok"]
     if ok:
         best = max(ok, key=lambda r: r["busbw_GBps"]["value"])
-        rows.append(headline_row(f"dist.all_reduce peak bus bandwidth ({best['backend']}, {fmt_bytes(best['bytes'])}, "
-                                 f"{best['world_size']} ranks)", best["busbw_GBps"], "GB/s"))
+        rows.append(
+            headline_row(
+                f"dist.all_reduce peak bus bandwidth ({best['backend']}, {fmt_bytes(best['bytes'])}, "
+                f"{best['world_size']} ranks)",
+                best["busbw_GBps"],
+                "GB/s",
+            )
+        )
     return rows
 
 
@@ -215,27 +312,89 @@ def slow_call_share(samples_s: list[float]) -> float:
 
 def _tables(record: dict[str, Any]) -> list[str]:
     compare, bandwidth, cfg = record["compare"], record["bandwidth"], record["config"]
-    times = [[r["world_size"], r["oversubscribed"], f"{r['numel']:,}",
-              *(fmt_value(r["median_s"][m], "s") for m in METHODS),
-              *(fmt_value(r["ratios"][f"{m}/all_reduce"]) for m in ("ring", "butterfly")),
-              " / ".join(f"{slow_call_share(r['samples_s'][m]):.0%}" for m in METHODS)] for r in compare]
-    accuracy = [[r["world_size"], f"{r['numel']:,}", m, f"{r['accuracy'][m]['max_abs_err']:.1e}",
-                 f"{r['accuracy'][m]['rel_err']:.1e}", r["accuracy"][m]["identical"],
-                 fmt_bytes(r["memory"][m]["torch_alloc_bytes"]), fmt_bytes(r["memory"][m]["extra_peak_bytes"])]
-                for r in compare for m in METHODS]
-    bw = [[fmt_bytes(r["bytes"]), r["world_size"], r["oversubscribed"], r["backend"],
-           *((fmt_value(r["median_s"], "s"), fmt_value(r["algbw_GBps"]), fmt_value(r["busbw_GBps"]))
-             if r["status"] == "ok" else ("-", "-", "-")), r["status"]] for r in bandwidth]
-    return [f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations per method after {cfg['warmup']} "
-            f"warm-up; wall time {record['wall_s']:.0f} s.", "", "## Time per call (float32 average)", "",
-            *table(["ranks", "time-shared", "elements", *METHODS, "ring / all_reduce", "butterfly / all_reduce",
-                    f"calls > {SLOW_CALL_S * 1e3:g} ms ({' / '.join(METHODS)})"], times), "", "## Accuracy and memory (rank 0)", "",
-            "`extra peak memory` grows only when a call cannot reuse freed heap pages; `torch alloc/call` is the "
-            "allocator-independent figure.", "",
-            *table(["ranks", "elements", "method", "max abs err", "rel err", "same bits all ranks", "torch alloc/call",
-                    "extra peak memory"], accuracy), "", "## dist.all_reduce bandwidth", "",
-            *table(["size", "ranks", "time-shared", "backend", "latency", "algbw GB/s", "busbw GB/s", "status"], bw),
-            ""]
+    times = [
+        [
+            r["world_size"],
+            r["oversubscribed"],
+            f"{r['numel']:,}",
+            *(fmt_value(r["median_s"][m], "s") for m in METHODS),
+            *(fmt_value(r["ratios"][f"{m}/all_reduce"]) for m in ("ring", "butterfly")),
+            " / ".join(f"{slow_call_share(r['samples_s'][m]):.0%}" for m in METHODS),
+        ]
+        for r in compare
+    ]
+    accuracy = [
+        [
+            r["world_size"],
+            f"{r['numel']:,}",
+            m,
+            f"{r['accuracy'][m]['max_abs_err']:.1e}",
+            f"{r['accuracy'][m]['rel_err']:.1e}",
+            r["accuracy"][m]["identical"],
+            fmt_bytes(r["memory"][m]["torch_alloc_bytes"]),
+            fmt_bytes(r["memory"][m]["extra_peak_bytes"]),
+        ]
+        for r in compare
+        for m in METHODS
+    ]
+    bw = [
+        [
+            fmt_bytes(r["bytes"]),
+            r["world_size"],
+            r["oversubscribed"],
+            r["backend"],
+            *(
+                (fmt_value(r["median_s"], "s"), fmt_value(r["algbw_GBps"]), fmt_value(r["busbw_GBps"]))
+                if r["status"] == "ok"
+                else ("-", "-", "-")
+            ),
+            r["status"],
+        ]
+        for r in bandwidth
+    ]
+    return [
+        f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations per method after {cfg['warmup']} "
+        f"warm-up; wall time {record['wall_s']:.0f} s.",
+        "",
+        "## Time per call (float32 average)",
+        "",
+        *table(
+            [
+                "ranks",
+                "time-shared",
+                "elements",
+                *METHODS,
+                "ring / all_reduce",
+                "butterfly / all_reduce",
+                f"calls > {SLOW_CALL_S * 1e3:g} ms ({' / '.join(METHODS)})",
+            ],
+            times,
+        ),
+        "",
+        "## Accuracy and memory (rank 0)",
+        "",
+        "`extra peak memory` grows only when a call cannot reuse freed heap pages; `torch alloc/call` is the "
+        "allocator-independent figure.",
+        "",
+        *table(
+            [
+                "ranks",
+                "elements",
+                "method",
+                "max abs err",
+                "rel err",
+                "same bits all ranks",
+                "torch alloc/call",
+                "extra peak memory",
+            ],
+            accuracy,
+        ),
+        "",
+        "## dist.all_reduce bandwidth",
+        "",
+        *table(["size", "ranks", "time-shared", "backend", "latency", "algbw GB/s", "busbw GB/s", "status"], bw),
+        "",
+    ]
 
 
 def write(record: dict[str, Any], out_dir: Path) -> None:
@@ -250,29 +409,55 @@ def write(record: dict[str, Any], out_dir: Path) -> None:
         numel = max(r["numel"] for r in record["compare"])
         rows = sorted((r for r in record["compare"] if r["numel"] == numel), key=lambda r: r["world_size"])
         groups = [f"{r['world_size']}{'*' * r['oversubscribed']} rank{'s' * (r['world_size'] > 1)}" for r in rows]
-        panels += [{"title": f"float32 average, {numel:,} elements (* time-shared: more ranks than {cores} cores)",
-                    "ylabel": "median ms per call", "scale": 1e3, "log": True, "groups": groups,
-                    "series": {m: [r["median_s"][m] for r in rows] for m in METHODS}},
-                   {"title": "time relative to dist.all_reduce", "ylabel": "ratio of medians", "groups": groups,
-                    "series": {f"{m} / all_reduce": [r["ratios"][f"{m}/all_reduce"] if r["world_size"] > 1 else None
-                                                     for r in rows] for m in ("ring", "butterfly")},
-                    "lines": {"1": 1.0, f"ring target {RING_TARGET_RATIO}x": RING_TARGET_RATIO}}]
+        panels += [
+            {
+                "title": f"float32 average, {numel:,} elements (* time-shared: more ranks than {cores} cores)",
+                "ylabel": "median ms per call",
+                "scale": 1e3,
+                "log": True,
+                "groups": groups,
+                "series": {m: [r["median_s"][m] for r in rows] for m in METHODS},
+            },
+            {
+                "title": "time relative to dist.all_reduce",
+                "ylabel": "ratio of medians",
+                "groups": groups,
+                "series": {
+                    f"{m} / all_reduce": [r["ratios"][f"{m}/all_reduce"] if r["world_size"] > 1 else None for r in rows]
+                    for m in ("ring", "butterfly")
+                },
+                "lines": {"1": 1.0, f"ring target {RING_TARGET_RATIO}x": RING_TARGET_RATIO},
+            },
+        ]
     ok = [r for r in record["bandwidth"] if r["status"] == "ok"]
     if ok:
         sizes, world_sizes = sorted({r["bytes"] for r in ok}), sorted({r["world_size"] for r in ok})
         at = {(r["world_size"], r["bytes"]): r for r in ok}
-        panels += [{"title": f"dist.all_reduce {name}", "ylabel": unit, "groups": [fmt_bytes(b) for b in sizes],
-                    "scale": scale, "log": True,
-                    "series": {f"{ws} ranks": [at.get((ws, b), {}).get(key) for b in sizes] for ws in world_sizes}}
-                   for name, key, unit, scale in (("latency", "median_s", "median ms", 1e3),
-                                                  ("bus bandwidth", "busbw_GBps", "GB/s", 1.0))]
+        panels += [
+            {
+                "title": f"dist.all_reduce {name}",
+                "ylabel": unit,
+                "groups": [fmt_bytes(b) for b in sizes],
+                "scale": scale,
+                "log": True,
+                "series": {f"{ws} ranks": [at.get((ws, b), {}).get(key) for b in sizes] for ws in world_sizes},
+            }
+            for name, key, unit, scale in (
+                ("latency", "median_s", "median ms", 1e3),
+                ("bus bandwidth", "busbw_GBps", "GB/s", 1.0),
+            )
+        ]
     plot_estimates(out_dir / "allreduce.png", panels, TITLE, record["quietness"]["comparable"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser("allreduce", __doc__)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="bandwidth part: cpu = gloo, cuda = NCCL on the visible GPUs")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="bandwidth part: cpu = gloo, cuda = NCCL on the visible GPUs",
+    )
     p.add_argument("--parts", nargs="+", choices=("compare", "bandwidth"), default=["compare", "bandwidth"])
     p.add_argument("--seed", type=int, default=0)
     args = parse(p, argv)

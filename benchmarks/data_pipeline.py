@@ -27,8 +27,20 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
 from benchmarks.harness import (
-    fmt_value, headline_row, interleave, make_record, median_ci, parse, parser, plot_estimates, ratio_ci, report, table,
-    wait_for_quiet, write_record)
+    fmt_value,
+    headline_row,
+    interleave,
+    make_record,
+    median_ci,
+    parse,
+    parser,
+    plot_estimates,
+    ratio_ci,
+    report,
+    table,
+    wait_for_quiet,
+    write_record,
+)
 from lit_cifar.data import TensorImageDataset
 from lit_cifar.transforms import CIFAR100_MEAN, CIFAR100_STD, augment, normalize
 
@@ -36,15 +48,18 @@ TITLE = "CIFAR train augmentation throughput (CPU)"
 TARGET_SPEEDUP = 3.0
 FULL = {"images": 10_240, "batch_size": 128, "rounds": 10, "kernel_rounds": 20}
 QUICK = {"images": 1_024, "batch_size": 128, "rounds": 3, "kernel_rounds": 6}
-SPEEDUPS = {"batched/pil_main": "batched tensor ops / PIL per sample in the main process",
-            "batched/pil_2workers": "batched tensor ops / PIL per sample in 2 DataLoader workers",
-            "pil_2workers/pil_main": "PIL in 2 workers / PIL in the main process",
-            "batched_transform/pil_transform": "the transforms alone (no DataLoader): batched / PIL"}
+SPEEDUPS = {
+    "batched/pil_main": "batched tensor ops / PIL per sample in the main process",
+    "batched/pil_2workers": "batched tensor ops / PIL per sample in 2 DataLoader workers",
+    "pil_2workers/pil_main": "PIL in 2 workers / PIL in the main process",
+    "batched_transform/pil_transform": "the transforms alone (no DataLoader): batched / PIL",
+}
 
 
 def _pil_transform() -> T.Compose:
-    return T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                      T.Normalize(CIFAR100_MEAN, CIFAR100_STD)])
+    return T.Compose(
+        [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CIFAR100_MEAN, CIFAR100_STD)]
+    )
 
 
 class _PILDataset(Dataset):
@@ -73,12 +88,22 @@ def _kernel_samples(images: torch.Tensor, batch_size: int, rounds: int) -> dict[
     batch = images[:batch_size]
     arrays = itertools.cycle(batch.permute(0, 2, 3, 1).numpy())
     timers = {  # name: (images per statement, statements per sample, timer)
-        "pil_transform": (1, 64, Timer("tf(Image.fromarray(next(arrays)))",
-                                       globals={"arrays": arrays, "tf": _pil_transform(), "Image": Image})),
-        "batched_transform": (batch_size, 4, Timer("normalize(augment(batch))", globals={
-            "batch": batch, "normalize": normalize, "augment": augment}))}
-    return interleave(list(timers), rounds, lambda name, _: timers[name][0] / timers[name][2].timeit(
-        timers[name][1]).median)
+        "pil_transform": (
+            1,
+            64,
+            Timer(
+                "tf(Image.fromarray(next(arrays)))", globals={"arrays": arrays, "tf": _pil_transform(), "Image": Image}
+            ),
+        ),
+        "batched_transform": (
+            batch_size,
+            4,
+            Timer("normalize(augment(batch))", globals={"batch": batch, "normalize": normalize, "augment": augment}),
+        ),
+    }
+    return interleave(
+        list(timers), rounds, lambda name, _: timers[name][0] / timers[name][2].timeit(timers[name][1]).median
+    )
 
 
 def measure(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -87,9 +112,11 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
     images = torch.randint(0, 256, (cfg["images"], 3, 32, 32), dtype=torch.uint8)
     labels = torch.randint(0, 100, (cfg["images"],))
     pil, size = _PILDataset(images.permute(0, 2, 3, 1).numpy().copy(), labels.numpy()), cfg["batch_size"]
-    loaders = {"pil_main": (DataLoader(pil, size, shuffle=True), False),
-               "pil_2workers": (DataLoader(pil, size, shuffle=True, num_workers=2, persistent_workers=True), False),
-               "batched": (DataLoader(TensorImageDataset(images, labels), size, shuffle=True), True)}
+    loaders = {
+        "pil_main": (DataLoader(pil, size, shuffle=True), False),
+        "pil_2workers": (DataLoader(pil, size, shuffle=True, num_workers=2, persistent_workers=True), False),
+        "batched": (DataLoader(TensorImageDataset(images, labels), size, shuffle=True), True),
+    }
     for loader, batched in loaders.values():  # warm-up: worker start-up, allocator, first-call overheads
         _epoch_images_per_s(loader, batched)
     samples = interleave(list(loaders), cfg["rounds"], lambda name, _: _epoch_images_per_s(*loaders[name]))
@@ -99,15 +126,24 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def estimates(samples: dict[str, list[float]]) -> dict[str, Any]:
     """Medians and speed-ups (CIs) of the rates; a sample is one round (an epoch, or one Timer call)."""
-    return {"images_per_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-            "speedups": {key: asdict(ratio_ci(*(samples[k] for k in key.split("/")))) for key in SPEEDUPS}}
+    return {
+        "images_per_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
+        "speedups": {key: asdict(ratio_ci(*(samples[k] for k in key.split("/")))) for key in SPEEDUPS},
+    }
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The speed-ups (the first against its target) and the batched path's rate."""
-    return [headline_row(f"{text}: images/s", record["speedups"][key], "x", TARGET_SPEEDUP if key == "batched/pil_main"
-                         else None, at_most=False) for key, text in SPEEDUPS.items()] + [
-        headline_row("batched path through a DataLoader epoch", record["images_per_s"]["batched"], "images/s")]
+    return [
+        headline_row(
+            f"{text}: images/s",
+            record["speedups"][key],
+            "x",
+            TARGET_SPEEDUP if key == "batched/pil_main" else None,
+            at_most=False,
+        )
+        for key, text in SPEEDUPS.items()
+    ] + [headline_row("batched path through a DataLoader epoch", record["images_per_s"]["batched"], "images/s")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -131,16 +167,41 @@ def write(record: dict[str, Any], out: Path) -> None:
     record.update(estimates(record["samples_images_per_s"]))
     record["headline"] = headline(record)
     rates = [[name, fmt_value(e, "images/s")] for name, e in record["images_per_s"].items()]
-    write_record(out, record, report(record, TITLE, [
-        f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads {cfg['torch_threads']}; "
-        f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: the "
-        f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` `Timer.timeit` "
-        "samples each (64 single images / 4 batches per sample).", "",
-        *table(["path", "images/s, median [95 % CI]"], rates), "", "![throughput](throughput.png)"]))
-    plot_estimates(out / "throughput.png", [
-        {"title": "CIFAR train augmentation, CPU", "ylabel": "images / s (median)", "log": True,
-         "groups": list(record["images_per_s"]), "series": {"images/s": list(record["images_per_s"].values())}}],
-        TITLE, record["quietness"]["comparable"])
+    write_record(
+        out,
+        record,
+        report(
+            record,
+            TITLE,
+            [
+                f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads "
+                f"{cfg['torch_threads']}; "
+                f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: "
+                "the "
+                f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` "
+                "`Timer.timeit` "
+                "samples each (64 single images / 4 batches per sample).",
+                "",
+                *table(["path", "images/s, median [95 % CI]"], rates),
+                "",
+                "![throughput](throughput.png)",
+            ],
+        ),
+    )
+    plot_estimates(
+        out / "throughput.png",
+        [
+            {
+                "title": "CIFAR train augmentation, CPU",
+                "ylabel": "images / s (median)",
+                "log": True,
+                "groups": list(record["images_per_s"]),
+                "series": {"images/s": list(record["images_per_s"].values())},
+            }
+        ],
+        TITLE,
+        record["quietness"]["comparable"],
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int)
     factory, batch = NETS[net]
     checked = dist.get_debug_level() == dist.DebugLevel.DETAIL  # inherited from _measure through fork
     transport = CustomDDPOptions(desync_check=checked).grad_sync.grad_transport  # the strategy's choice
-    model = SyncedDataParallel(SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True,
-                               grad_transport=transport)
+    model = SyncedDataParallel(
+        SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True, grad_transport=transport
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
     flag = torch.zeros(1, dtype=torch.int64)
@@ -64,8 +65,9 @@ def _measure(net: str, mode: str, warmup: int, steps: int) -> dict[str, Any]:
     dist.set_debug_level(dist.DebugLevel.DETAIL if mode == "detail" else dist.DebugLevel.OFF)
     try:  # fork: the workers inherit the debug level and wrap their process group with it
         with tempfile.TemporaryDirectory() as tmp:
-            per_rank = run_workers(_steps_worker, 2, args=(net, warmup, steps), init_file=Path(tmp) / "store",
-                                   timeout_s=600)
+            per_rank = run_workers(
+                _steps_worker, 2, args=(net, warmup, steps), init_file=Path(tmp) / "store", timeout_s=600
+            )
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
     return {"times": harness.slowest_rank([r["times"] for r in per_rank]), "collectives": per_rank[0]["collectives"]}
@@ -73,22 +75,39 @@ def _measure(net: str, mode: str, warmup: int, steps: int) -> dict[str, Any]:
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per net: the step with the check against without it (ratio, and seconds per step and per collective)."""
-    return [harness.headline_row(f"{r['net']} (batch {r['batch']} per rank, {r['collectives']} collectives per "
-                                 f"step): {what}", value, unit) for r in record["rows"] for what, value, unit in (
-        ("step with desync_check / without", r["ratio"], "x"), ("added time per step", r["cost_s"], "s"),
-        ("added time per collective", r["cost_s"]["value"] / r["collectives"], "s"))]
+    return [
+        harness.headline_row(
+            f"{r['net']} (batch {r['batch']} per rank, {r['collectives']} collectives per step): {what}", value, unit
+        )
+        for r in record["rows"]
+        for what, value, unit in (
+            ("step with desync_check / without", r["ratio"], "x"),
+            ("added time per step", r["cost_s"], "s"),
+            ("added time per collective", r["cost_s"]["value"] / r["collectives"], "s"),
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, rounds, steps, quiet = harness.parse_step_rounds("desync_cost", __doc__, argv, rounds=4, steps=8,
-                                                           quick=(1, 2))
+    args, rounds, steps, quiet = harness.parse_step_rounds(
+        "desync_cost", __doc__, argv, rounds=4, steps=8, quick=(1, 2)
+    )
     rows = []
     for net, (_, batch) in NETS.items():
-        runs = harness.interleave(MODES, rounds, lambda mode, _: _measure(net, mode, 2, steps))
+        runs = harness.interleave(MODES, rounds, lambda mode, _, net=net: _measure(net, mode, 2, steps))
         off, on = ([run["times"] for run in runs[mode]] for mode in MODES)  # runs: resampled whole
-        rows.append({"net": net, "batch": batch, "collectives": runs["off"][0]["collectives"], "threads": 1,
-                     "off_s": asdict(harness.median_ci(off)), "detail_s": asdict(harness.median_ci(on)),
-                     "cost_s": asdict(harness.difference_ci(on, off)), "ratio": asdict(harness.ratio_ci(on, off))})
+        rows.append(
+            {
+                "net": net,
+                "batch": batch,
+                "collectives": runs["off"][0]["collectives"],
+                "threads": 1,
+                "off_s": asdict(harness.median_ci(off)),
+                "detail_s": asdict(harness.median_ci(on)),
+                "cost_s": asdict(harness.difference_ci(on, off)),
+                "ratio": asdict(harness.ratio_ci(on, off)),
+            }
+        )
     record = harness.make_record("desync_cost", {"rounds": rounds, "steps": steps}, quiet.finish(), argv, rows=rows)
     record["headline"] = headline(record)
     harness.write_record(args.out, record, harness.report(record, TITLE, []))

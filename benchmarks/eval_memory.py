@@ -49,16 +49,26 @@ class _LargeEvalModule(pl.LightningModule):
 
     def on_validation_end(self) -> None:
         peak = self.probe.stop()["peak_bytes"]
-        record = {"rank": self.global_rank, "threads": torch.get_num_threads(), "baseline_bytes": self.baseline,
-                  "peak_growth_bytes": peak - self.baseline}
+        record = {
+            "rank": self.global_rank,
+            "threads": torch.get_num_threads(),
+            "baseline_bytes": self.baseline,
+            "peak_growth_bytes": peak - self.baseline,
+        }
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
 def headline(record: dict) -> list[dict]:
     """Each rank's peak RSS growth while validating the set."""
-    return [headline_row(f"rank {r['rank']} ({r['threads']} intra-op threads): peak RSS growth while validating "
-                         f"{fmt_bytes(record['eval_set_bytes'])} under custom_ddp", r["peak_growth_bytes"], "B")
-            for r in record["ranks"]]
+    return [
+        headline_row(
+            f"rank {r['rank']} ({r['threads']} intra-op threads): peak RSS growth while validating "
+            f"{fmt_bytes(record['eval_set_bytes'])} under custom_ddp",
+            r["peak_growth_bytes"],
+            "B",
+        )
+        for r in record["ranks"]
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,21 +79,43 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     num_samples = int((16.0 if args.quick else args.mb) * _MIB / (4 * torch.Size(_SAMPLE_SHAPE).numel()))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDPStrategy(start_method="fork", timeout=300),
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CustomDDPStrategy(start_method="fork", timeout=300),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     started = time.perf_counter()
     trainer.validate(_LargeEvalModule(num_samples, args.batch_size, args.out), verbose=False)
     ranks = [json.loads((args.out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in range(2):
         (args.out / f"rank{r}.json").unlink()
-    record = make_record("eval_memory", {"num_samples": num_samples, "batch_size": args.batch_size}, quiet.finish(),
-                         argv=argv, eval_set_bytes=num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(),
-                         wall_s=time.perf_counter() - started, ranks=ranks)
+    record = make_record(
+        "eval_memory",
+        {"num_samples": num_samples, "batch_size": args.batch_size},
+        quiet.finish(),
+        argv=argv,
+        eval_set_bytes=num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(),
+        wall_s=time.perf_counter() - started,
+        ranks=ranks,
+    )
     record["headline"] = headline(record)
-    write_record(args.out, record, report(record, TITLE, [
-        f"{num_samples} float32 samples of {_SAMPLE_SHAPE}. Before scatter-by-indices (tree 23514fd, which sent the "
-        "samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 +130.0 MiB."]))
+    write_record(
+        args.out,
+        record,
+        report(
+            record,
+            TITLE,
+            [
+                f"{num_samples} float32 samples of {_SAMPLE_SHAPE}. Before scatter-by-indices (tree 23514fd, which "
+                "sent the "
+                "samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 +130.0 MiB."
+            ],
+        ),
+    )
     return record
 
 

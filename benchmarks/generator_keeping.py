@@ -19,22 +19,23 @@ the step for the interpreter and the core. Also timed on its own, in this proces
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-import torch.utils.benchmark
 import torch.distributed as dist
+import torch.utils.benchmark
 from torch import nn
 
 from benchmarks import harness
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import TemplateNet
 from parallel.grad_sync import SyncedDataParallel
-from parallel.syncbn import SyncBatchNorm
 from parallel.rng_state import encode_rng_state, rng_state
+from parallel.syncbn import SyncBatchNorm
 from strategies.job_store import connect_store
 from strategies.window_generators import WindowGenerators
 
@@ -43,13 +44,16 @@ BATCH = 128
 TITLE = "Cost of keeping every rank's random generators per optimizer step (exact_resume)"
 
 
-def _keepers(rank: int, world_size: int, port: int) -> dict[str, Optional[WindowGenerators]]:
+def _keepers(rank: int, world_size: int, port: int) -> dict[str, WindowGenerators | None]:
     """Per mode, this rank's keeper (each on its own store connection and keys)."""
     job_store = ("127.0.0.1", port)
-    return {"off": None,
-            "store": WindowGenerators(connect_store(*job_store, "store/"), rank, world_size),
-            "store + mirror": WindowGenerators(connect_store(*job_store, "mirror/"), rank, world_size,
-                                               mirror_toward=job_store)}
+    return {
+        "off": None,
+        "store": WindowGenerators(connect_store(*job_store, "store/"), rank, world_size),
+        "store + mirror": WindowGenerators(
+            connect_store(*job_store, "mirror/"), rank, world_size, mirror_toward=job_store
+        ),
+    }
 
 
 def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: int, steps: int) -> dict[str, Any]:
@@ -60,7 +64,7 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
     keepers = _keepers(rank, world_size, port)
     dist.barrier()  # rank 1's mirror is published before anyone writes to it
 
-    def step(keeper: Optional[WindowGenerators]) -> Callable[[], None]:
+    def step(keeper: WindowGenerators | None) -> Callable[[], None]:
         def run() -> None:
             if keeper is not None:
                 keeper.keep(0)
@@ -68,10 +72,12 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
             model.finish()
             optimizer.step()
             optimizer.zero_grad()
+
         return run
 
-    times = harness.timed_rounds({mode: step(keeper) for mode, keeper in keepers.items()},
-                                 {"warmup": warmup, "rounds": rounds, "iters": steps})
+    times = harness.timed_rounds(
+        {mode: step(keeper) for mode, keeper in keepers.items()}, {"warmup": warmup, "rounds": rounds, "iters": steps}
+    )
     for keeper in keepers.values():
         if keeper is not None:
             keeper.close()
@@ -81,8 +87,9 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
 def _measure(warmup: int, rounds: int, steps: int) -> dict[str, list[float]]:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_workers(_steps_worker, 2, args=(server.port, warmup, rounds, steps),
-                               init_file=Path(tmp) / "store", timeout_s=600)
+        per_rank = run_workers(
+            _steps_worker, 2, args=(server.port, warmup, rounds, steps), init_file=Path(tmp) / "store", timeout_s=600
+        )
     return {mode: harness.slowest_rank([times[mode] for times in per_rank]) for mode in MODES}
 
 
@@ -93,30 +100,44 @@ def _time_calls(call: Callable[[], Any], calls: int) -> list[float]:
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per mode: the step against ``off`` (ratio) and the added time per step."""
-    return [row for mode in MODES[1:] for row in (
-        harness.headline_row(f"template net, 2 ranks: step keeping them ({mode}) / off", record["ratio"][mode], "x"),
-        harness.headline_row(f"template net, 2 ranks: added time per step ({mode})", record["cost_s"][mode], "s"))
+    return [
+        row
+        for mode in MODES[1:]
+        for row in (
+            harness.headline_row(
+                f"template net, 2 ranks: step keeping them ({mode}) / off", record["ratio"][mode], "x"
+            ),
+            harness.headline_row(f"template net, 2 ranks: added time per step ({mode})", record["cost_s"][mode], "s"),
+        )
     ] + [harness.headline_row(f"{what} (one call)", record["call_s"][what], "s") for what in record["call_s"]]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, rounds, steps, quiet = harness.parse_step_rounds("generator_keeping", __doc__, argv, rounds=20, steps=10,
-                                                           quick=(2, 2))
+    args, rounds, steps, quiet = harness.parse_step_rounds(
+        "generator_keeping", __doc__, argv, rounds=20, steps=10, quick=(2, 2)
+    )
     times = _measure(3, rounds, steps)
     state = rng_state()
-    calls = {"rng_state": _time_calls(rng_state, 40),
-             "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40)}
+    calls = {
+        "rng_state": _time_calls(rng_state, 40),
+        "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40),
+    }
     times = {mode: harness.in_runs(samples, steps) for mode, samples in times.items()}  # rounds, resampled whole
     off = times["off"]
     record = harness.make_record(
-        "generator_keeping", {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}, quiet.finish(), argv,
+        "generator_keeping",
+        {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1},
+        quiet.finish(),
+        argv,
         step_s={mode: asdict(harness.median_ci(times[mode])) for mode in MODES},
         cost_s={mode: asdict(harness.difference_ci(times[mode], off)) for mode in MODES[1:]},
         ratio={mode: asdict(harness.ratio_ci(times[mode], off)) for mode in MODES[1:]},
-        call_s={what: asdict(harness.median_ci(samples)) for what, samples in calls.items()})
+        call_s={what: asdict(harness.median_ci(samples)) for what, samples in calls.items()},
+    )
     record["headline"] = headline(record)
-    body = harness.table(["mode", "step (median [95 % CI])"],
-                         [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES])
+    body = harness.table(
+        ["mode", "step (median [95 % CI])"], [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES]
+    )
     harness.write_record(args.out, record, harness.report(record, TITLE, ["## Step time", "", *body]))
     return record
 

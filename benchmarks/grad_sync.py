@@ -7,8 +7,8 @@ Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (
 fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, its buckets
 summed by gloo instead of in shared memory (``_gloo``: ``grad_transport="process_group"``) or in
 shared memory behind gloo barriers instead of futex ones (``_gloo_barriers``), bf16 wire
-compression (summed by gloo, compared with ``_gloo``) and ZeRO-1, against ``ddp_default`` (buffers broadcast every forward) and ``ddp_tuned``
-(``gradient_as_bucket_view=True, forward_sync_buffers=False``); SyncedDataParallel runs with
+compression (summed by gloo, compared with ``_gloo``) and ZeRO-1, against ``ddp_default`` (buffers broadcast every
+forward) and ``ddp_tuned`` (``gradient_as_bucket_view=True, forward_sync_buffers=False``); SyncedDataParallel runs with
 ``broadcast_buffers=False`` like ``ddp_tuned``. Exposed communication = step -
 ``no_comm`` step (same wrapper and ranks inside ``no_sync()``: thread-matched; it also charges the
 compute gloo's reductions slow down); speed-up = 2 x ``single_all_cores`` step (one process, every
@@ -33,9 +33,9 @@ from torch import nn
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
 from benchmarks.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
 from benchmarks.harness import finish_run, interleave, measure_peak, parse, parser, slowest_rank, wait_for_quiet
+from benchmarks.launcher import run_workers
 from measure.collective_count import Window, count_collectives
 from measure.memory import return_freed_memory_above
-from benchmarks.launcher import run_workers
 from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
@@ -45,7 +45,8 @@ __all__ = ["TITLE", "VARIANTS", "headline", "main", "measure_model"]
 WORLD_SIZE = 2
 _DDP_SETTINGS = ("bucket_bytes_cap", "gradient_as_bucket_view", "forward_sync_buffers")
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "zero1": the sharded optimizer)
-    NO_COMM: ("sdp", {"mode": "bucketed"}), SINGLE: ("single", {}),
+    NO_COMM: ("sdp", {"mode": "bucketed"}),
+    SINGLE: ("single", {}),
     **{mode: ("sdp", {"mode": mode}) for mode in ("per_param", "flat", "per_param_overlap")},
     **{f"bucketed_{cap}mb": ("sdp", {"mode": "bucketed", "bucket_cap_mb": cap}) for cap in (1, 10, 25, 100, 1000)},
     # The first bucket by backend (gloo: as large as the others) against torch DDP's 1 MiB first bucket.
@@ -61,10 +62,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
 }
 REQUIRED = [NO_COMM, SINGLE, *ANCHORS]  # every exposure, speed-up and ratio needs them
 # Several rounds (fresh processes each) put run-to-run spread into the intervals.
-FULL = {"mlp_width": 1024, "mlp_depth": 16, "mlp_batch": 64, "resnet_batch": 32,
-        "warmup": 2, "steps": 8, "rounds": 5, "probe_steps": 3}
-QUICK = {"mlp_width": 128, "mlp_depth": 4, "mlp_batch": 8, "resnet_batch": 2,
-         "warmup": 1, "steps": 2, "rounds": 2, "probe_steps": 2}
+FULL = {
+    "mlp_width": 1024,
+    "mlp_depth": 16,
+    "mlp_batch": 64,
+    "resnet_batch": 32,
+    "warmup": 2,
+    "steps": 8,
+    "rounds": 5,
+    "probe_steps": 3,
+}
+QUICK = {
+    "mlp_width": 128,
+    "mlp_depth": 4,
+    "mlp_batch": 8,
+    "resnet_batch": 2,
+    "warmup": 1,
+    "steps": 2,
+    "rounds": 2,
+    "probe_steps": 2,
+}
 
 
 def build_model(name: str, cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -89,16 +106,20 @@ def _setup(rank: int, model_name: str, variant: str, cfg: dict[str, Any]) -> tup
     sdp = functools.partial(SyncedDataParallel, broadcast_buffers=False)
     wrap = {"sdp": sdp, "ddp": nn.parallel.DistributedDataParallel, "single": lambda m: m}[kind]
     sgd = {"lr": 0.01, "momentum": 0.9}
-    optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd) if options.get("zero1") else \
-        torch.optim.SGD(net.parameters(), **sgd)
+    optimizer = (
+        ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd)
+        if options.get("zero1")
+        else torch.optim.SGD(net.parameters(), **sgd)
+    )
     if options.get("barriers") == "gloo":  # each variant runs in fresh processes: nothing else sees this
         host_reduce.local_problem = lambda peers: "gloo barriers forced by the benchmark variant"
     model = wrap(net, **{k: v for k, v in options.items() if k not in ("zero1", "barriers")})
     return model, optimizer, torch.randn_like(x), torch.randint(0, 100, y.shape)
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                y: torch.Tensor, variant: str) -> tuple[float, float]:
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, variant: str
+) -> tuple[float, float]:
     """One step's seconds, and the seconds ``finish()`` spent at the end of backward (SyncedDataParallel only)."""
     start = time.perf_counter()
     with model.no_sync() if variant == NO_COMM else contextlib.nullcontext():
@@ -116,7 +137,7 @@ def step_worker(rank: int, world_size: int, model_name: str, variant: str, cfg: 
     for _ in range(cfg["warmup"] + cfg["steps"]):
         dist.barrier()  # every step starts together, so the slower rank's time is the step's
         times.append(_train_step(model, optimizer, x, y, variant))
-    steps, finishes = zip(*times[cfg["warmup"]:])
+    steps, finishes = zip(*times[cfg["warmup"] :], strict=True)
     return {"step_s": list(steps), "finish_s": list(finishes), "threads": torch.get_num_threads()}
 
 
@@ -135,9 +156,12 @@ def probe_worker(rank: int, world_size: int, model_name: str, variant: str, cfg:
     with count_collectives(None if VARIANTS[variant][0] == "single" else model) as collectives:
         _train_step(model, optimizer, x, y, variant)
     window, ddp = Window(0, 0, collectives), isinstance(model, nn.parallel.DistributedDataParallel)
-    return {"peak_bytes": peak, "collectives": {"counts": window.counts(), "bytes": window.bytes()},
-            "buckets": len(model.buckets) if isinstance(model, SyncedDataParallel) else None,
-            "ddp_settings": {k: getattr(model, k, None) for k in _DDP_SETTINGS} if ddp else None}
+    return {
+        "peak_bytes": peak,
+        "collectives": {"counts": window.counts(), "bytes": window.bytes()},
+        "buckets": len(model.buckets) if isinstance(model, SyncedDataParallel) else None,
+        "ddp_settings": {k: getattr(model, k, None) for k in _DDP_SETTINGS} if ddp else None,
+    }
 
 
 def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict[str, Any]) -> dict[str, int]:
@@ -145,13 +169,16 @@ def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict[str, Any]
     torch.manual_seed(0)
     net, x, y = build_model(model_name, cfg)
     out = {"param_bytes": sum(p.numel() * p.element_size() for p in net.parameters())}
-    for name, optimizer in (("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
-                            ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3))):
+    for name, optimizer in (
+        ("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
+        ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)),
+    ):
         nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
         net.zero_grad(set_to_none=True)
-        out[name] = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                        if torch.is_tensor(v))
+        out[name] = sum(
+            v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        )
     return out
 
 
@@ -159,8 +186,13 @@ def _run(fn: Any, variant: str | None, *args: Any, world_size: int = WORLD_SIZE)
     """One fresh process group per call: ``single_all_cores`` is one rank on every core, the rest 2
     ranks of one intra-op thread each."""
     single = variant is not None and VARIANTS[variant][0] == "single"
-    return run_workers(fn, 1 if single else world_size, args=args if variant is None else (args[0], variant, *args[1:]),
-                       timeout_s=600, threads=(os.cpu_count() or 1) if single else 1)
+    return run_workers(
+        fn,
+        1 if single else world_size,
+        args=args if variant is None else (args[0], variant, *args[1:]),
+        timeout_s=600,
+        threads=(os.cpu_count() or 1) if single else 1,
+    )
 
 
 def measure_model(model_name: str, variants: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -176,9 +208,13 @@ def measure_model(model_name: str, variants: list[str], cfg: dict[str, Any]) -> 
     out = {}
     for variant in variants:
         probes = _run(probe_worker, variant, model_name, cfg)
-        out[variant] = {**probes[0], "peak_bytes": max(p["peak_bytes"] for p in probes), "ranks": len(probes),
-                        "threads": rounds[variant][0]["threads"],
-                        **{f"{key}_by_round": [r[key] for r in rounds[variant]] for key in ("step_s", "finish_s")}}
+        out[variant] = {
+            **probes[0],
+            "peak_bytes": max(p["peak_bytes"] for p in probes),
+            "ranks": len(probes),
+            "threads": rounds[variant][0]["threads"],
+            **{f"{key}_by_round": [r[key] for r in rounds[variant]] for key in ("step_s", "finish_s")},
+        }
     return out
 
 
@@ -193,11 +229,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     started = time.monotonic()
     steps = {m: measure_model(m, variants, cfg) for m in args.models}
-    zero1 = [{"model": m, "world_size": n, "param_bytes": per_rank[0]["param_bytes"],
-              "unsharded_bytes": per_rank[0]["unsharded"], "sharded_bytes_per_rank": [r["sharded"] for r in per_rank]}
-             for m in args.models for n in (2, 4) for per_rank in [_run(zero_worker, None, m, cfg, world_size=n)]]
-    config = cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu",
-                    "optimizer": "SGD(lr=0.01, momentum=0.9)", "variants": {v: VARIANTS[v] for v in variants}}
+    zero1 = [
+        {
+            "model": m,
+            "world_size": n,
+            "param_bytes": per_rank[0]["param_bytes"],
+            "unsharded_bytes": per_rank[0]["unsharded"],
+            "sharded_bytes_per_rank": [r["sharded"] for r in per_rank],
+        }
+        for m in args.models
+        for n in (2, 4)
+        for per_rank in [_run(zero_worker, None, m, cfg, world_size=n)]
+    ]
+    config = cfg | {
+        "world_size": WORLD_SIZE,
+        "backend": "gloo",
+        "device": "cpu",
+        "optimizer": "SGD(lr=0.01, momentum=0.9)",
+        "variants": {v: VARIANTS[v] for v in variants},
+    }
     return finish_run("grad_sync", config, quiet, argv, write, args.out, started, steps=steps, zero1=zero1)
 
 

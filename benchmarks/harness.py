@@ -24,24 +24,62 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
 from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import INTERVALS, Estimate, difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, \
-    ratio_ci, share_ci
+from measure.stats import (
+    INTERVALS,
+    Estimate,
+    difference_ci,
+    in_runs,
+    median_ci,
+    pair_ratio_ci,
+    paired_ratio_ci,
+    ratio_ci,
+    share_ci,
+)
 from measure.timing import aligned_seconds, slowest_rank
 
-__all__ = ["Estimate", "Quietness", "SCHEMA", "aligned_seconds", "difference_ci", "finish_run", "fmt_bytes",
-           "fmt_value", "headline_row", "headline_table", "in_runs", "interleave", "machine", "make_record", "measure_peak",
-           "median_ci", "pair_ratio_ci", "paired_ratio_ci", "parse", "parse_step_rounds", "parser", "plot_estimates",
-           "ratio_ci", "report", "share_ci", "slowest_rank", "table", "timed_rounds", "verdict", "wait_for_quiet",
-           "write_record"]
+__all__ = [
+    "Estimate",
+    "Quietness",
+    "SCHEMA",
+    "aligned_seconds",
+    "difference_ci",
+    "finish_run",
+    "fmt_bytes",
+    "fmt_value",
+    "headline_row",
+    "headline_table",
+    "in_runs",
+    "interleave",
+    "machine",
+    "make_record",
+    "measure_peak",
+    "median_ci",
+    "pair_ratio_ci",
+    "paired_ratio_ci",
+    "parse",
+    "parse_step_rounds",
+    "parser",
+    "plot_estimates",
+    "ratio_ci",
+    "report",
+    "share_ci",
+    "slowest_rank",
+    "table",
+    "timed_rounds",
+    "verdict",
+    "wait_for_quiet",
+    "write_record",
+]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,18 +102,22 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
     args = p.parse_args(argv)
     name = p.get_default("benchmark")
     if args.out is None:
-        args.out = Path(tempfile.gettempdir(), f"lit_cifar_{name}_quick") if args.quick else Path(
-            "benchmarks/results", name)
+        args.out = (
+            Path(tempfile.gettempdir(), f"lit_cifar_{name}_quick") if args.quick else Path("benchmarks/results", name)
+        )
     if args.quick and args.out.resolve().is_relative_to(RESULTS):
-        p.error(f"--quick never writes into the committed results, but --out {args.out} is under {RESULTS}: "
-                f"pass a folder elsewhere, e.g. --out /tmp/{name}")
+        p.error(
+            f"--quick never writes into the committed results, but --out {args.out} is under {RESULTS}: "
+            f"pass a folder elsewhere, e.g. --out /tmp/{name}"
+        )
     if args.max_wait_s is None:
         args.max_wait_s = 0.0 if args.quick else 300.0
     return args
 
 
-def parse_step_rounds(name: str, doc: str | None, argv: Sequence[str] | None, rounds: int, steps: int,
-                      quick: tuple[int, int]) -> tuple[argparse.Namespace, int, int, Quietness]:
+def parse_step_rounds(
+    name: str, doc: str | None, argv: Sequence[str] | None, rounds: int, steps: int, quick: tuple[int, int]
+) -> tuple[argparse.Namespace, int, int, Quietness]:
     """A benchmark of whole training steps on 1-thread ranks: its options (``--rounds``, ``--steps`` with these
     defaults), the rounds and steps to run (``quick`` with ``--quick``), 1 intra-op thread here, and the
     quietness record once the machine is quiet."""
@@ -97,8 +139,12 @@ def interleave(names: Sequence[str], rounds: int, run: Callable[[str, int], _T])
     return results
 
 
-def timed_rounds(methods: dict[str, Callable[[], Any]], cfg: dict[str, int], device: Any = None,
-                 prepare: Callable[[str], Any] | None = None) -> dict[str, list[float]]:
+def timed_rounds(
+    methods: dict[str, Callable[[], Any]],
+    cfg: dict[str, int],
+    device: Any = None,
+    prepare: Callable[[str], Any] | None = None,
+) -> dict[str, list[float]]:
     """Per-call seconds of every method on this rank: ``cfg["warmup"]`` untimed calls of each, then
     ``cfg["rounds"]`` interleaved rounds of ``cfg["iters"]`` barrier-aligned calls (``prepare(name)``
     before each, untimed). Every rank runs the same order: sample i is the same call on every rank.
@@ -155,8 +201,9 @@ def fmt_value(value: Any, unit: str = "") -> str:
     return show(e["value"]) + (f" [{show(e['low'])}, {show(e['high'])}]" if "low" in e else "") + suffix
 
 
-def headline_row(what: str, value: Any, unit: str = "", target: float | None = None,
-                 at_most: bool = True) -> dict[str, Any]:
+def headline_row(
+    what: str, value: Any, unit: str = "", target: float | None = None, at_most: bool = True
+) -> dict[str, Any]:
     """One headline row: what against what, its value (an estimate, a number or a text) in the record
     unit, and, with a ``target``, the verdict as a value."""
     row = {"what": what, "value": value, "unit": unit}
@@ -168,23 +215,45 @@ def headline_row(what: str, value: Any, unit: str = "", target: float | None = N
 def headline_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The headline rows as a Markdown table: what, value [95 % CI], verdict against the target."""
     shown = {"met": "met", "missed": "**missed**", "undecided": "undecided (the CI spans it)"}
-    return table(["what", "value [95 % CI]", "verdict"],
-                 [[r["what"], fmt_value(r["value"], r.get("unit", "")),
-                   f"{shown[r['verdict']]}, target {r['target']}" if r.get("verdict") else "–"] for r in rows])
+    return table(
+        ["what", "value [95 % CI]", "verdict"],
+        [
+            [
+                r["what"],
+                fmt_value(r["value"], r.get("unit", "")),
+                f"{shown[r['verdict']]}, target {r['target']}" if r.get("verdict") else "–",
+            ]
+            for r in rows
+        ],
+    )
 
 
-def make_record(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: Sequence[str] | None = None,
-                **sections: Any) -> dict[str, Any]:
+def make_record(
+    benchmark: str, config: dict[str, Any], quiet: Quietness, argv: Sequence[str] | None = None, **sections: Any
+) -> dict[str, Any]:
     """The one JSON schema: what ran (``argv``, default the command line), on what, how quiet, then ``sections``."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return {"schema": SCHEMA, "benchmark": benchmark,
-            "command": ("python -m benchmarks." + benchmark + " " + shlex.join(map(str, args))).strip(),
-            "config": config, "environment": environment(), "quietness": quiet.as_dict(), **sections}
+    return {
+        "schema": SCHEMA,
+        "benchmark": benchmark,
+        "command": ("python -m benchmarks." + benchmark + " " + shlex.join(map(str, args))).strip(),
+        "config": config,
+        "environment": environment(),
+        "quietness": quiet.as_dict(),
+        **sections,
+    }
 
 
-def finish_run(benchmark: str, config: dict[str, Any], quiet: Quietness, argv: Sequence[str] | None,
-               write: Callable[[dict[str, Any], Path], None], out: Path, started: float | None = None,
-               **sections: Any) -> dict[str, Any]:
+def finish_run(
+    benchmark: str,
+    config: dict[str, Any],
+    quiet: Quietness,
+    argv: Sequence[str] | None,
+    write: Callable[[dict[str, Any], Path], None],
+    out: Path,
+    started: float | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
     """The end of a benchmark's ``main()``: its record (``wall_s`` since ``started``, a ``time.monotonic()``),
     written into ``out`` by the benchmark's ``write``; returns the record."""
     if started is not None:
@@ -205,24 +274,44 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
     headline table, ``body``, then the method: the benchmark module's docstring, the one place it is told."""
     env, quiet = record["environment"], record["quietness"]
     share, limit = (fmt_value(quiet[k], "%") for k in ("foreign_share", "max_foreign_share"))
-    warning = [f"**NOT COMPARABLE: the machine was busy (1-min load {quiet['load_before']:.2f} before the run, "
-               f"threshold {quiet['threshold']:.2f}; other processes used {share} of the machine during it, limit "
-               f"{limit}). Do not quote these numbers as ratios; re-run on a quiet machine.**", ""]
+    warning = [
+        f"**NOT COMPARABLE: the machine was busy (1-min load {quiet['load_before']:.2f} before the run, "
+        f"threshold {quiet['threshold']:.2f}; other processes used {share} of the machine during it, limit "
+        f"{limit}). Do not quote these numbers as ratios; re-run on a quiet machine.**",
+        "",
+    ]
     module = f"benchmarks.{record['benchmark']}"
     method = (importlib.import_module(module).__doc__ or "").split("\n", 1)[1:] if find_spec(module) else []
-    return [f"# {title}", "", *(warning if not quiet["comparable"] else []), f"Command: `{record['command']}`", "",
-            f"Machine: {machine(env)}, GPUs: {', '.join(env['gpus']) or 'none'}; torch "
-            f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
-            f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
-            f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "
-            "the ratio of medians, drawing whole runs (rounds), then the samples inside them.", "", "## Headline", "",
-            *headline_table(record.get("headline", [])), "", *body, "", "## Method", *method]
+    return [
+        f"# {title}",
+        "",
+        *(warning if not quiet["comparable"] else []),
+        f"Command: `{record['command']}`",
+        "",
+        f"Machine: {machine(env)}, GPUs: {', '.join(env['gpus']) or 'none'}; torch "
+        f"{env['versions']['torch']}, lightning {env['versions']['lightning']}; 1-min load "
+        f"{quiet['load_before']:.2f} before (waited {quiet['waited_s']:.0f} s for a quiet machine); other "
+        f"processes used {share} of the machine during the run. Intervals: bootstrap 95 % CIs of the median or of "
+        "the ratio of medians, drawing whole runs (rounds), then the samples inside them.",
+        "",
+        "## Headline",
+        "",
+        *headline_table(record.get("headline", [])),
+        "",
+        *body,
+        "",
+        "## Method",
+        *method,
+    ]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A Markdown table."""
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
+    ]
 
 
 def write_record(out_dir: Path, record: dict[str, Any], markdown: Sequence[str]) -> None:
@@ -247,27 +336,56 @@ def plot_estimates(path: Path, panels: Sequence[dict[str, Any]], title: str, com
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with plt.rc_context({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
-                         "axes.spines.right": False, "legend.frameon": False, "font.size": 9}):
+    with plt.rc_context(
+        {
+            "figure.dpi": 110,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "legend.frameon": False,
+            "font.size": 9,
+        }
+    ):
         fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.8 * len(panels)), squeeze=False, layout="constrained")
-        for ax, panel in zip(axes[:, 0], panels):
+        for ax, panel in zip(axes[:, 0], panels, strict=True):
             series = {k: v for k, v in panel["series"].items() if any(e is not None for e in v)}
             scale = panel.get("scale", 1.0)
             for i, (label, estimates) in enumerate(series.items()):
                 offset = 0.6 * (i / (len(series) - 1) - 0.5) if len(series) > 1 else 0.0
-                xs, es = zip(*[(j + offset, e if isinstance(e, dict) else {"value": e, "low": e, "high": e})
-                               for j, e in enumerate(estimates) if e is not None])  # a number: no interval
-                ax.errorbar(xs, [scale * e["value"] for e in es], marker="o", linestyle="none", capsize=3, label=label,
-                            yerr=[[scale * (e["value"] - e["low"]) for e in es],
-                                  [scale * (e["high"] - e["value"]) for e in es]])
+                xs, es = zip(
+                    *[
+                        (j + offset, e if isinstance(e, dict) else {"value": e, "low": e, "high": e})
+                        for j, e in enumerate(estimates)
+                        if e is not None
+                    ],
+                    strict=True,
+                )  # a number: no interval
+                ax.errorbar(
+                    xs,
+                    [scale * e["value"] for e in es],
+                    marker="o",
+                    linestyle="none",
+                    capsize=3,
+                    label=label,
+                    yerr=[
+                        [scale * (e["value"] - e["low"]) for e in es],
+                        [scale * (e["high"] - e["value"]) for e in es],
+                    ],
+                )
             for label, y in panel.get("lines", {}).items():
                 ax.axhline(y, color="grey", linestyle="--", linewidth=1, label=label)
             tilt = len(panel["groups"]) > 6
-            ax.set_xticks(range(len(panel["groups"])), panel["groups"], rotation=30 if tilt else 0,
-                          ha="right" if tilt else "center")
+            ax.set_xticks(
+                range(len(panel["groups"])),
+                panel["groups"],
+                rotation=30 if tilt else 0,
+                ha="right" if tilt else "center",
+            )
             ax.set(title=panel["title"], ylabel=panel["ylabel"], yscale="log" if panel.get("log") else "linear")
             ax.legend(fontsize=7, ncol=3)
-        fig.suptitle(title if comparable else f"NOT COMPARABLE (busy machine): {title}",
-                     color=None if comparable else "tab:red")
+        fig.suptitle(
+            title if comparable else f"NOT COMPARABLE (busy machine): {title}", color=None if comparable else "tab:red"
+        )
         fig.savefig(path)
         plt.close(fig)

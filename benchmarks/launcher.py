@@ -22,8 +22,9 @@ import queue
 import shutil
 import tempfile
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,18 @@ __all__ = ["LAUNCH_VARIABLES", "WorkerError", "run_workers", "without_launch_var
 # Rendezvous variables a launcher exports; Lightning's fork/spawn launcher leaves MASTER_PORT in the
 # parent's environment. Inherited by a later process, they make it reuse a stale port or believe it is
 # a launched child.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                    "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
 
 
 def without_launch_variables(environ: dict[str, str]) -> dict[str, str]:
@@ -166,11 +177,11 @@ def _collect(results: Any, procs: list[Any], deadline_s: float) -> list[Any]:
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead:
                 codes = {i: procs[i].exitcode for i in dead}
-                raise WorkerError(f"worker(s) died without reporting: exit codes {codes}")
+                raise WorkerError(f"worker(s) died without reporting: exit codes {codes}") from None
             if remaining <= 0:
                 if failures:
                     break
-                raise TimeoutError(f"workers did not finish within {deadline_s:.0f} s")
+                raise TimeoutError(f"workers did not finish within {deadline_s:.0f} s") from None
             continue
         if ok:
             outputs[rank] = pickle.loads(payload)

@@ -38,23 +38,51 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from benchmarks.compare_runs import MATCHED_THREADS, REPO_ROOT, VARIANTS, call_logged, fit_flags, monitor_flags, \
-    read_monitor, run_settings, short_fit_flags
-from benchmarks.harness import finish_run, fmt_value, interleave, median_ci, pair_ratio_ci, paired_ratio_ci, parse, \
-    parser, ratio_ci, report, table, wait_for_quiet, write_record
+from benchmarks.compare_runs import (
+    MATCHED_THREADS,
+    REPO_ROOT,
+    VARIANTS,
+    call_logged,
+    fit_flags,
+    monitor_flags,
+    read_monitor,
+    run_settings,
+    short_fit_flags,
+)
+from benchmarks.harness import (
+    finish_run,
+    fmt_value,
+    interleave,
+    median_ci,
+    pair_ratio_ci,
+    paired_ratio_ci,
+    parse,
+    parser,
+    ratio_ci,
+    report,
+    table,
+    wait_for_quiet,
+    write_record,
+)
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
 # ResNet-18 steps: more pairs of shorter fits pin the ratio down better than fewer long ones).
-NETS = {"template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
-        "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 4}}
+NETS = {
+    "template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
+    "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 4},
+}
 TITLE = "custom_ddp vs Lightning ddp, paired fits in one pair of CPU ranks, synthetic data"
 DEFAULT_VARIANTS = ("custom_ddp_localbn", "ddp_tuned")
-RATIOS = (("custom_ddp_localbn", "ddp_tuned"), ("custom_ddp_localbn_gloo", "ddp_tuned"),
-          ("custom_ddp_localbn", "custom_ddp_localbn_gloo"))
+RATIOS = (
+    ("custom_ddp_localbn", "ddp_tuned"),
+    ("custom_ddp_localbn_gloo", "ddp_tuned"),
+    ("custom_ddp_localbn", "custom_ddp_localbn_gloo"),
+)
 TARGET = {"at_most": 1.00, "upper_bound_below": 1.03}
 _TIMING_FILE = "timing.json"
 
@@ -66,15 +94,23 @@ def _timed_fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, pai
 
     setting = cfg["nets"][net]
     run_dir = Path(cfg["out"], "work", f"{net}_{variant}_acc{accumulate}_pair{pair}")
-    flags = fit_flags(cfg, net, variant, accumulate, short_fit_flags(run_dir, accumulate, setting["warmup_steps"]
-                                                                     + setting["steps"]),
-                      *monitor_flags(setting["warmup_steps"]))
+    flags = fit_flags(
+        cfg,
+        net,
+        variant,
+        accumulate,
+        short_fit_flags(run_dir, accumulate, setting["warmup_steps"] + setting["steps"]),
+        *monitor_flags(setting["warmup_steps"]),
+    )
     started = time.perf_counter()
     cli = train.main(args=flags, run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall_s = time.perf_counter() - started
-    return {"pair": pair, "wall_s": wall_s, **read_monitor(run_dir, micro_batches=True)} \
-        if cli.trainer.is_global_zero else None
+    return (
+        {"pair": pair, "wall_s": wall_s, **read_monitor(run_dir, micro_batches=True)}
+        if cli.trainer.is_global_zero
+        else None
+    )
 
 
 def worker(config_path: Path) -> None:
@@ -82,9 +118,17 @@ def worker(config_path: Path) -> None:
     writes the runs to ``out/work/timing.json``."""
     cfg = json.loads(config_path.read_text())
     del sys.argv[1:]  # LightningCLI warns when given args next to a command line: the fits' args are all there is
-    timing = {net: {str(acc): interleave(cfg["variants_by_net"][net], cfg["pairs"],
-                                         lambda v, i: _timed_fit(cfg, net, v, acc, i))
-                    for acc in cfg["accumulates"]} for net in cfg["nets"]}
+    timing = {
+        net: {
+            str(acc): interleave(
+                cfg["variants_by_net"][net],
+                cfg["pairs"],
+                lambda v, i, net=net, acc=acc: _timed_fit(cfg, net, v, acc, i),
+            )
+            for acc in cfg["accumulates"]
+        }
+        for net in cfg["nets"]
+    }
     if int(os.environ.get("RANK", "0")) == 0:
         Path(cfg["out"], "work", _TIMING_FILE).write_text(json.dumps(timing))
 
@@ -96,8 +140,17 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
     log = work / "paired_fits.txt"
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(cfg))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-               "benchmarks.paired_fits", "--worker", str(work / "config.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "benchmarks.paired_fits",
+        "--worker",
+        str(work / "config.json"),
+    ]
     call_logged(command, log, cfg["timeout_s"], MATCHED_THREADS)
     return _without_repeats(json.loads((work / _TIMING_FILE).read_text()))
 
@@ -105,9 +158,16 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
 def _without_repeats(timing: dict[str, Any]) -> dict[str, Any]:
     """The runs, each fit's run description (strategy options, versions: the same in every pair) kept on
     the first pair's runs only: hundreds of fits would repeat it hundreds of times."""
-    return {net: {acc: {v: [run if run["pair"] == 0 else {k: x for k, x in run.items() if k != "recorded"}
-                            for run in runs] for v, runs in by_variant.items()} for acc, by_variant in by_acc.items()}
-            for net, by_acc in timing.items()}
+    return {
+        net: {
+            acc: {
+                v: [run if run["pair"] == 0 else {k: x for k, x in run.items() if k != "recorded"} for run in runs]
+                for v, runs in by_variant.items()
+            }
+            for acc, by_variant in by_acc.items()
+        }
+        for net, by_acc in timing.items()
+    }
 
 
 # Analysis, headline and report: from the record alone.
@@ -121,24 +181,30 @@ def _micro_batches(runs: list[dict[str, Any]], accumulate: int) -> dict[str, lis
     """Each run's micro-batches in two kinds: the last of each step (it syncs the gradients and steps) and
     the others (they accumulate: no communication on either side)."""
     last = accumulate - 1
-    return {"syncing": [run["micro_batch_s"][last::accumulate] for run in runs],
-            "accumulating": [[t for i, t in enumerate(run["micro_batch_s"]) if i % accumulate != last]
-                             for run in runs]}
+    return {
+        "syncing": [run["micro_batch_s"][last::accumulate] for run in runs],
+        "accumulating": [[t for i, t in enumerate(run["micro_batch_s"]) if i % accumulate != last] for run in runs],
+    }
 
 
 def _analyse_setting(by_variant: dict[str, list[dict[str, Any]]], accumulate: int) -> dict[str, Any]:
     samples = {v: [run["step_s"] for run in runs] for v, runs in by_variant.items()}
     pairs = [(a, b) for a, b in RATIOS if a in samples and b in samples]
-    row = {"step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
-           "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
-           "per_pair": {f"{a}/{b}": asdict(pair_ratio_ci(samples[a], samples[b])) for a, b in pairs},
-           "paired": {f"{a}/{b}": asdict(paired_ratio_ci(samples[a], samples[b])) for a, b in pairs},
-           "apart": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in pairs}}
+    row = {
+        "step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
+        "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
+        "per_pair": {f"{a}/{b}": asdict(pair_ratio_ci(samples[a], samples[b])) for a, b in pairs},
+        "paired": {f"{a}/{b}": asdict(paired_ratio_ci(samples[a], samples[b])) for a, b in pairs},
+        "apart": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in pairs},
+    }
     if accumulate > 1 and all("micro_batch_s" in run for runs in by_variant.values() for run in runs):
         kinds = {v: _micro_batches(runs, accumulate) for v, runs in by_variant.items()}
-        row["micro_batch_s"] = {v: {k: asdict(median_ci(s)) for k, s in by_kind.items()} for v, by_kind in kinds.items()}
-        row["micro_batch_per_pair"] = {f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k]))
-                                                    for k in kinds[a]} for a, b in pairs}
+        row["micro_batch_s"] = {
+            v: {k: asdict(median_ci(s)) for k, s in by_kind.items()} for v, by_kind in kinds.items()
+        }
+        row["micro_batch_per_pair"] = {
+            f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k])) for k in kinds[a]} for a, b in pairs
+        }
     return row
 
 
@@ -146,8 +212,10 @@ def analyse(timing: dict[str, Any]) -> dict[str, Any]:
     """Per net and setting: step medians per variant, every ratio per pair, pooled with pairs drawn together
     and drawn apart, and (when accumulating) the syncing and the accumulating micro-batches' medians and
     per-pair ratios."""
-    return {net: {acc: _analyse_setting(by_variant, int(acc)) for acc, by_variant in by_acc.items()}
-            for net, by_acc in timing.items()}
+    return {
+        net: {acc: _analyse_setting(by_variant, int(acc)) for acc, by_variant in by_acc.items()}
+        for net, by_acc in timing.items()
+    }
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -159,10 +227,15 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
             for key, estimate in row["per_pair"].items():
                 a, b = key.split("/")
                 judged = (a, b) == RATIOS[0]
-                rows.append({"what": f"{label(a)} / {label(b)}: step time, paired fits (geometric mean of the pairs' "
-                                     f"ratios), {net} net, accumulate {acc}",
-                             "value": estimate, "unit": "x",
-                             **({"target": target, "verdict": _target_verdict(estimate)} if judged else {})})
+                rows.append(
+                    {
+                        "what": f"{label(a)} / {label(b)}: step time, paired fits (geometric mean of the pairs' "
+                        f"ratios), {net} net, accumulate {acc}",
+                        "value": estimate,
+                        "unit": "x",
+                        **({"target": target, "verdict": _target_verdict(estimate)} if judged else {}),
+                    }
+                )
     return rows
 
 
@@ -171,31 +244,66 @@ def write(record: dict[str, Any], out: Path) -> None:
     cfg = record["config"]
     record["analysis"] = analyse(record["timing"])
     record["headline"] = headline(record)
-    body = [f"Pairs of fits per setting: {cfg['pairs']}; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}. Variants: "
-            + "; ".join(f"**{VARIANTS[v].label}** (`{v}`): {VARIANTS[v].description}" for v in cfg["variants"]) + ".", ""]
+    body = [
+        f"Pairs of fits per setting: {cfg['pairs']}; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}. "
+        "Variants: "
+        + "; ".join(f"**{VARIANTS[v].label}** (`{v}`): {VARIANTS[v].description}" for v in cfg["variants"])
+        + ".",
+        "",
+    ]
     for net, by_acc in record["analysis"].items():
         for acc, row in by_acc.items():
-            body += [f"### {net} net (batch {cfg['nets'][net]['batch_size']} per process), accumulate {acc}", "",
-                     *_setting_tables(row), ""]
+            body += [
+                f"### {net} net (batch {cfg['nets'][net]['batch_size']} per process), accumulate {acc}",
+                "",
+                *_setting_tables(row),
+                "",
+            ]
     write_record(out, record, report(record, TITLE, body))
 
 
 def _setting_tables(row: dict[str, Any]) -> list[str]:
     """Step medians per variant, the ratios paired and apart; when accumulating, the micro-batches' split."""
     micro, kinds = row.get("micro_batch_s", {}), ("syncing", "accumulating")
-    lines = [*table(["variant", "threads", "step", "steps", *(f"{k} micro-batch" for k in kinds if micro)],
-                    [[VARIANTS[v].label, ", ".join(map(str, row["threads"][v])), fmt_value(e, "s"), e["n"],
-                      *(fmt_value(micro[v][k], "s") for k in kinds if micro)] for v, e in row["step_s"].items()]),
-             "", *table(["ratio of median step times", "per pair, geometric mean [95 % CI]",
-                         "pooled, pairs drawn together", "pooled, runs drawn apart"],
-                        [[k, fmt_value(e), fmt_value(row["paired"][k]), fmt_value(row["apart"][k])]
-                         for k, e in row["per_pair"].items()])]
+    lines = [
+        *table(
+            ["variant", "threads", "step", "steps", *(f"{k} micro-batch" for k in kinds if micro)],
+            [
+                [
+                    VARIANTS[v].label,
+                    ", ".join(map(str, row["threads"][v])),
+                    fmt_value(e, "s"),
+                    e["n"],
+                    *(fmt_value(micro[v][k], "s") for k in kinds if micro),
+                ]
+                for v, e in row["step_s"].items()
+            ],
+        ),
+        "",
+        *table(
+            [
+                "ratio of median step times",
+                "per pair, geometric mean [95 % CI]",
+                "pooled, pairs drawn together",
+                "pooled, runs drawn apart",
+            ],
+            [
+                [k, fmt_value(e), fmt_value(row["paired"][k]), fmt_value(row["apart"][k])]
+                for k, e in row["per_pair"].items()
+            ],
+        ),
+    ]
     if micro:
-        lines += ["", *table(["ratio of median micro-batch times, per pair, geometric mean", *kinds],
-                             [[k, *(fmt_value(e[kind]) for kind in kinds)]
-                              for k, e in row["micro_batch_per_pair"].items()]),
-                  "", "The syncing micro-batch is the last of each step: its backward syncs the gradients and the "
-                      "optimizer steps after it; the accumulating ones communicate on neither side."]
+        lines += [
+            "",
+            *table(
+                ["ratio of median micro-batch times, per pair, geometric mean", *kinds],
+                [[k, *(fmt_value(e[kind]) for kind in kinds)] for k, e in row["micro_batch_per_pair"].items()],
+            ),
+            "",
+            "The syncing micro-batch is the last of each step: its backward syncs the gradients and the "
+            "optimizer steps after it; the accumulating ones communicate on neither side.",
+        ]
     return lines
 
 
@@ -207,18 +315,29 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
     p.add_argument("--accumulate", type=int, nargs="+", default=[1, 2, 4], dest="accumulates")
     p.add_argument("--pairs", type=int, default=30, help="pairs of fits per net and accumulation setting")
     two_process = [name for name, v in VARIANTS.items() if v.processes == 2]
-    p.add_argument("--variants", nargs="+", choices=two_process, default=list(DEFAULT_VARIANTS),
-                   help="variants fitted in turn (2-process ones); ratios need both of their variants")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=two_process,
+        default=list(DEFAULT_VARIANTS),
+        help="variants fitted in turn (2-process ones); ratios need both of their variants",
+    )
     args = parse(p, argv)
     if min(*args.accumulates, args.pairs) < 1 or len(set(args.variants)) < 2:
-        p.error(f"--accumulate and --pairs must be >= 1 and --variants name 2 or more variants, got "
-                f"{args.accumulates}, {args.pairs}, {args.variants}")
+        p.error(
+            f"--accumulate and --pairs must be >= 1 and --variants name 2 or more variants, got "
+            f"{args.accumulates}, {args.pairs}, {args.variants}"
+        )
     nets = ["template"] if args.quick else args.nets
-    cfg = {**run_settings(args.out, args.quick),
-           "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
-           "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
-           "pairs": 1 if args.quick else args.pairs, "variants": args.variants, "timeout_s": 4 * 3600.0,
-           "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets}}
+    cfg = {
+        **run_settings(args.out, args.quick),
+        "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
+        "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
+        "pairs": 1 if args.quick else args.pairs,
+        "variants": args.variants,
+        "timeout_s": 4 * 3600.0,
+        "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets},
+    }
     return cfg, args.max_wait_s
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from benchmarks.harness import RESULTS
 

@@ -27,19 +27,38 @@ import os
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import (
-    aligned_seconds, finish_run, fmt_bytes, fmt_value, headline_row, in_runs, measure_peak, median_ci, parse, parser,
-    plot_estimates, ratio_ci, report, slowest_rank, table, timed_rounds, verdict, wait_for_quiet, write_record)
-from measure.memory import return_freed_memory_above
+    aligned_seconds,
+    finish_run,
+    fmt_bytes,
+    fmt_value,
+    headline_row,
+    in_runs,
+    measure_peak,
+    median_ci,
+    parse,
+    parser,
+    plot_estimates,
+    ratio_ci,
+    report,
+    slowest_rank,
+    table,
+    timed_rounds,
+    verdict,
+    wait_for_quiet,
+    write_record,
+)
 from benchmarks.launcher import run_workers
+from measure.memory import return_freed_memory_above
 from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
@@ -66,16 +85,20 @@ class _PythonFloor(nn.Module):
         return self._Copy.apply(x)
 
 
-def _methods(shape: Sequence[int], device: torch.device, rank: int,
-             names: Collection[str]) -> dict[str, Callable[[], None]]:
+def _methods(
+    shape: Sequence[int], device: torch.device, rank: int, names: Collection[str]
+) -> dict[str, Callable[[], None]]:
     """One forward+backward per method of ``names`` on this rank's fixed input."""
     generator = torch.Generator().manual_seed(rank)
     x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
     stats, local = torch.zeros(2 * shape[1] + 1, device=device), nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
-    layers = {"custom": SyncBatchNorm(shape[1]), "compiled": SyncBatchNorm(shape[1], compile=True),
-              "local": local(shape[1]), "floor": local(shape[1]),
-              "python_floor": _PythonFloor()} | (
-        {"torch_syncbn": nn.SyncBatchNorm(shape[1])} if device.type == "cuda" else {})
+    layers = {
+        "custom": SyncBatchNorm(shape[1]),
+        "compiled": SyncBatchNorm(shape[1], compile=True),
+        "local": local(shape[1]),
+        "floor": local(shape[1]),
+        "python_floor": _PythonFloor(),
+    } | ({"torch_syncbn": nn.SyncBatchNorm(shape[1])} if device.type == "cuda" else {})
 
     def fwd_bwd(name: str, layer: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -104,7 +127,7 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
         # each allocation instead of reused heap pages.
         if device.type == "cpu":
             return_freed_memory_above(128 * 1024)
-        for result, shape in zip(out, shapes):
+        for result, shape in zip(out, shapes, strict=True):
             fns = _methods(shape, device, rank, cfg["methods"])
             for fn in fns.values():  # lazy initialisation is not the layer's memory
                 fn()
@@ -129,39 +152,66 @@ def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any
     kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
     runs = {name: in_runs(values, run_length) for name, values in samples.items()}
     pairs = [(a, b) for a in KERNELS if a in runs for b in runs if b not in KERNELS] + [
-        (a, b) for a, b in (("compiled", "custom"), ("python_floor", "local")) if a in runs and b in runs]
-    return {"median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
-            "ratios": {f"{a}/{b}": asdict(ratio_ci(runs[a], runs[b])) for a, b in pairs}}
+        (a, b) for a, b in (("compiled", "custom"), ("python_floor", "local")) if a in runs and b in runs
+    ]
+    return {
+        "median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
+        "ratios": {f"{a}/{b}": asdict(ratio_ci(runs[a], runs[b])) for a, b in pairs},
+    }
 
 
 def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One shape: the slowest rank's samples, peak memory (max over ranks); :func:`write` derives the estimates."""
     samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
     compile_s = [r["compile_s"] for r in per_rank if r.get("compile_s") is not None]
-    return {"shape": list(shape),
-            "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
-            "samples_s": samples} | ({"compile_s": max(compile_s)} if compile_s else {})
+    return {
+        "shape": list(shape),
+        "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
+        "samples_s": samples,
+    } | ({"compile_s": max(compile_s)} if compile_s else {})
 
 
 def _judged(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[tuple[dict, str, float]]:
     """(row, verdict, target) of ``key`` for every row that has it, the target by shape kind."""
-    return [(row, verdict(row["ratios"][key], t), t) for row in rows if key in row["ratios"]
-            for t in [targets[shape_kind(row["shape"])]]]
+    return [
+        (row, verdict(row["ratios"][key], t), t)
+        for row in rows
+        if key in row["ratios"]
+        for t in [targets[shape_kind(row["shape"])]]
+    ]
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per shape kind: the worst ratio with its verdict and how many shapes met the target, for the
     synchronised layer against its baseline and for the kernel alone against torch's BatchNorm."""
     cfg = record["config"]
-    checks = [(record["rows"], f"custom/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"]),
-               f"SyncBN / {cfg['baseline']} ({'local BN + 2 all-reduces' if cfg['baseline'] == 'floor' else 'torch'}), "
-               f"{cfg['world_size']} ranks"),
-              (record.get("one_rank_rows", []), "custom/local", cfg.get("one_rank_targets", {}),
-               "SyncBN kernel / torch BatchNorm, 1 rank"),
-              (record["rows"], f"compiled/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"]),
-               f"SyncBN compiled / {cfg['baseline']}, {cfg['world_size']} ranks"),
-              (record.get("one_rank_rows", []), "compiled/local", cfg.get("compiled_targets", {}),
-               "SyncBN kernel compiled / torch BatchNorm, 1 rank")]
+    checks = [
+        (
+            record["rows"],
+            f"custom/{cfg['baseline']}",
+            dict.fromkeys(KINDS, cfg["target"]),
+            f"SyncBN / {cfg['baseline']} ({'local BN + 2 all-reduces' if cfg['baseline'] == 'floor' else 'torch'}), "
+            f"{cfg['world_size']} ranks",
+        ),
+        (
+            record.get("one_rank_rows", []),
+            "custom/local",
+            cfg.get("one_rank_targets", {}),
+            "SyncBN kernel / torch BatchNorm, 1 rank",
+        ),
+        (
+            record["rows"],
+            f"compiled/{cfg['baseline']}",
+            dict.fromkeys(KINDS, cfg["target"]),
+            f"SyncBN compiled / {cfg['baseline']}, {cfg['world_size']} ranks",
+        ),
+        (
+            record.get("one_rank_rows", []),
+            "compiled/local",
+            cfg.get("compiled_targets", {}),
+            "SyncBN kernel compiled / torch BatchNorm, 1 rank",
+        ),
+    ]
     out = []
     for rows, key, targets, what in checks:
         for kind, label in KINDS.items():
@@ -170,42 +220,91 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
             tally = Counter(v for _, v, _ in judged)
-            out += [headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
-                    headline_row(f"{what}: {label} shapes meeting <= {target:g}",
-                                 f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided "
-                                 f"of {len(judged)}")]
-    floors = [r for r in record.get("one_rank_rows", []) if "python_floor/local" in r["ratios"] and
-              shape_kind(r["shape"]) == "nc"]
+            out += [
+                headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
+                headline_row(
+                    f"{what}: {label} shapes meeting <= {target:g}",
+                    f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided of {len(judged)}",
+                ),
+            ]
+    floors = [
+        r
+        for r in record.get("one_rank_rows", [])
+        if "python_floor/local" in r["ratios"] and shape_kind(r["shape"]) == "nc"
+    ]
     if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
         worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
-        out.append(headline_row(f"Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst "
-                                f"(N, C) shape ({_shape(worst)})", worst["ratios"]["python_floor/local"], "x"))
-    for rows, when in ((record["rows"], "empty inductor cache, 2-rank run"), (record.get("one_rank_rows", []),
-                                                                              "warm cache, 1-rank run after it")):
+        out.append(
+            headline_row(
+                f"Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst "
+                f"(N, C) shape ({_shape(worst)})",
+                worst["ratios"]["python_floor/local"],
+                "x",
+            )
+        )
+    for rows, when in (
+        (record["rows"], "empty inductor cache, 2-rank run"),
+        (record.get("one_rank_rows", []), "warm cache, 1-rank run after it"),
+    ):
         if any("compile_s" in row for row in rows):  # the first shape pays the fixed cost, later ones their graphs
             first, rest = rows[0].get("compile_s", 0.0), [row.get("compile_s", 0.0) for row in rows[1:]]
-            out.append(headline_row(f"SyncBN compiled: first call ({when}): first shape ({_shape(rows[0])}) / "
-                                    "slowest later shape", f"{first:.1f} s / {max(rest, default=0.0):.1f} s"))
+            out.append(
+                headline_row(
+                    f"SyncBN compiled: first call ({when}): first shape ({_shape(rows[0])}) / slowest later shape",
+                    f"{first:.1f} s / {max(rest, default=0.0):.1f} s",
+                )
+            )
     return out
 
 
 def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
     methods, memory = list(rows[0]["median_s"]), list(rows[0]["peak_bytes"])
     keys = [key, *(k for k in rows[0]["ratios"] if k != key)]  # the target's ratio first
-    body = [[_shape(row), *(fmt_value(row["median_s"][m], "s") for m in methods),
-             *(fmt_value(row["ratios"][k]) for k in keys), f"{v} (<= {t:g})",
-             row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"],
-             *(fmt_bytes(row["peak_bytes"][m]) for m in memory)] for row, v, t in _judged(rows, key, targets)]
-    return table(["shape per rank", *methods, *(k.replace("/", " / ") for k in keys), f"{key} verdict",
-                  f"{key} CI includes 1?", *(f"{m} peak memory" for m in memory)], body)
+    body = [
+        [
+            _shape(row),
+            *(fmt_value(row["median_s"][m], "s") for m in methods),
+            *(fmt_value(row["ratios"][k]) for k in keys),
+            f"{v} (<= {t:g})",
+            row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"],
+            *(fmt_bytes(row["peak_bytes"][m]) for m in memory),
+        ]
+        for row, v, t in _judged(rows, key, targets)
+    ]
+    return table(
+        [
+            "shape per rank",
+            *methods,
+            *(k.replace("/", " / ") for k in keys),
+            f"{key} verdict",
+            f"{key} CI includes 1?",
+            *(f"{m} peak memory" for m in memory),
+        ],
+        body,
+    )
 
 
 def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
     """The compiled kernel's verdicts and first-call (compile) time per shape."""
-    return table(["shape per rank", key.replace("/", " / "), "compiled / custom (eager)", f"{key} verdict",
-                  "first call (compiles)"],
-                 [[_shape(row), fmt_value(row["ratios"][key]), fmt_value(row["ratios"].get("compiled/custom")),
-                   f"{v} (<= {t:g})", fmt_value(row.get("compile_s"), "s")] for row, v, t in _judged(rows, key, targets)])
+    return table(
+        [
+            "shape per rank",
+            key.replace("/", " / "),
+            "compiled / custom (eager)",
+            f"{key} verdict",
+            "first call (compiles)",
+        ],
+        [
+            [
+                _shape(row),
+                fmt_value(row["ratios"][key]),
+                fmt_value(row["ratios"].get("compiled/custom")),
+                f"{v} (<= {t:g})",
+                fmt_value(row.get("compile_s"), "s"),
+            ]
+            for row, v, t in _judged(rows, key, targets)
+        ],
+    )
 
 
 def write(record: dict[str, Any], out: Path) -> None:
@@ -215,28 +314,63 @@ def write(record: dict[str, Any], out: Path) -> None:
         row.update(estimates(row["samples_s"], cfg["iters"]))
     record["headline"] = headline(record)
     key = f"custom/{cfg['baseline']}"
-    compiled = [f"## The compiled kernel (`compile=True`): {cfg['world_size']} ranks, then one rank", "",
-                *_compiled_table(rows, f"compiled/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"])), "",
-                *_compiled_table(one_rank, "compiled/local", cfg["compiled_targets"]), ""] \
-        if "compiled_targets" in cfg else []
-    body = [f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} rounds x "
-            f"{cfg['iters']} iterations per method after {cfg['warmup']} warm-up; wall time {record['wall_s']:.0f} s.",
-            "", *_table(rows, key, dict.fromkeys(KINDS, cfg["target"])), "",
-            "## The kernel on one rank: custom vs torch's BatchNorm (`local`)", "",
-            *_table(one_rank, "custom/local", cfg["one_rank_targets"]), "", *compiled,
-            "![time and ratios per shape](syncbn.png)"]
+    compiled = (
+        [
+            f"## The compiled kernel (`compile=True`): {cfg['world_size']} ranks, then one rank",
+            "",
+            *_compiled_table(rows, f"compiled/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"])),
+            "",
+            *_compiled_table(one_rank, "compiled/local", cfg["compiled_targets"]),
+            "",
+        ]
+        if "compiled_targets" in cfg
+        else []
+    )
+    body = [
+        f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} rounds x "
+        f"{cfg['iters']} iterations per method after {cfg['warmup']} warm-up; wall time {record['wall_s']:.0f} s.",
+        "",
+        *_table(rows, key, dict.fromkeys(KINDS, cfg["target"])),
+        "",
+        "## The kernel on one rank: custom vs torch's BatchNorm (`local`)",
+        "",
+        *_table(one_rank, "custom/local", cfg["one_rank_targets"]),
+        "",
+        *compiled,
+        "![time and ratios per shape](syncbn.png)",
+    ]
     write_record(out, record, report(record, TITLE, body))
     groups = [_shape(row) for row in rows]
-    plot_estimates(out / "syncbn.png", [
-        {"title": "forward+backward", "ylabel": "ms (median, slowest rank)", "scale": 1e3, "log": True,
-         "groups": groups, "series": {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]}},
-        {"title": "ratios of medians", "ylabel": "ratio", "log": True, "groups": groups,
-         "series": {**{k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]},
-                    **{f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS}},
-         "lines": {"1": 1.0, f"target {cfg['target']}x {cfg['baseline']}": cfg["target"],
-                   **{f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()}}},
-    ], f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}",
-        record["quietness"]["comparable"])
+    plot_estimates(
+        out / "syncbn.png",
+        [
+            {
+                "title": "forward+backward",
+                "ylabel": "ms (median, slowest rank)",
+                "scale": 1e3,
+                "log": True,
+                "groups": groups,
+                "series": {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]},
+            },
+            {
+                "title": "ratios of medians",
+                "ylabel": "ratio",
+                "log": True,
+                "groups": groups,
+                "series": {
+                    **{k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]},
+                    **{f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS},
+                },
+                "lines": {
+                    "1": 1.0,
+                    f"target {cfg['target']}x {cfg['baseline']}": cfg["target"],
+                    **{f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()},
+                },
+            },
+        ],
+        f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}",
+        record["quietness"]["comparable"],
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -245,36 +379,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     p.add_argument("--iters", type=int, help=f"iterations per method per round (default {FULL['iters']})")
-    p.add_argument("--shapes", nargs="+", type=lambda s: tuple(map(int, s.split("x"))),
-                   help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        type=lambda s: tuple(map(int, s.split("x"))),
+        help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)",
+    )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = parse(p, argv)
     if args.world_size < 2:
         p.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA device; none is visible (torch.cuda.is_available())")
-    cfg = (QUICK if args.quick else FULL) | {"device": args.device} | {
-        k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None}
+    cfg = (
+        (QUICK if args.quick else FULL)
+        | {"device": args.device}
+        | {k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None}
+    )
     shapes = args.shapes or (QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES)
     backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
     quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
     start = time.monotonic()
     launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
     with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
-        per_rank = run_workers(_worker, args.world_size, args=(
-            shapes, cfg | {"methods": ("custom", "compiled", "local", "floor", "torch_syncbn"), "inductor_cache": cache}),
-            **launch)
+        per_rank = run_workers(
+            _worker,
+            args.world_size,
+            args=(
+                shapes,
+                cfg | {"methods": ("custom", "compiled", "local", "floor", "torch_syncbn"), "inductor_cache": cache},
+            ),
+            **launch,
+        )
         # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
-        (one_rank,) = run_workers(_worker, 1, args=(shapes, cfg | {
-            "methods": ("custom", "compiled", "local", "python_floor"), "memory": False, "inductor_cache": cache}),
-            **launch)
+        (one_rank,) = run_workers(
+            _worker,
+            1,
+            args=(
+                shapes,
+                cfg
+                | {
+                    "methods": ("custom", "compiled", "local", "python_floor"),
+                    "memory": False,
+                    "inductor_cache": cache,
+                },
+            ),
+            **launch,
+        )
     baseline, target = TARGETS[args.device]
-    config = cfg | {"world_size": args.world_size, "backend": backend, "threads": per_rank[0]["threads"],
-                    "shapes": [list(s) for s in shapes], "baseline": baseline, "target": target,
-                    "one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
-    return finish_run("syncbn", config, quiet, argv, write, args.out, start,
-                      rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
-                      one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)])
+    config = cfg | {
+        "world_size": args.world_size,
+        "backend": backend,
+        "threads": per_rank[0]["threads"],
+        "shapes": [list(s) for s in shapes],
+        "baseline": baseline,
+        "target": target,
+        "one_rank_targets": ONE_RANK_TARGETS,
+        "compiled_targets": COMPILED_TARGETS,
+    }
+    return finish_run(
+        "syncbn",
+        config,
+        quiet,
+        argv,
+        write,
+        args.out,
+        start,
+        rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
+        one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)],
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,12 @@ from typing import Any
 
 __all__ = ["BenchmarkMonitor", "CollectiveCounter", "PredictionWriter", "RunHparams"]
 
-_HOMES = {"BenchmarkMonitor": "callbacks.benchmark", "CollectiveCounter": "callbacks.collective_counter",
-          "PredictionWriter": "callbacks.prediction_writer", "RunHparams": "callbacks.run_hparams"}
+_HOMES = {
+    "BenchmarkMonitor": "callbacks.benchmark",
+    "CollectiveCounter": "callbacks.collective_counter",
+    "PredictionWriter": "callbacks.prediction_writer",
+    "RunHparams": "callbacks.run_hparams",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -62,9 +62,15 @@ class BenchmarkMonitor(Callback):
             in the JSON.
     """
 
-    def __init__(self, warmup_steps: int = 3, prefix: str = "bench/", filename: str = "benchmark.json",
-                 memory_method: CpuMethod = "auto", sample_interval_s: float = 0.005,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        warmup_steps: int = 3,
+        prefix: str = "bench/",
+        filename: str = "benchmark.json",
+        memory_method: CpuMethod = "auto",
+        sample_interval_s: float = 0.005,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if not filename.endswith(".json"):
@@ -108,15 +114,15 @@ class BenchmarkMonitor(Callback):
         self._timer.epoch_start()
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self._timer is not None
         self._step_before = trainer.global_step
         self._timer.batch_start(extract_batch_size(batch))
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         assert self._timer is not None
         self._timer.batch_end(stepped=trainer.global_step != self._step_before)
 
@@ -136,8 +142,11 @@ class BenchmarkMonitor(Callback):
         timing, peak = self._timer.epoch_end(), self._memory.stop()
         peak["start_bytes"] = self._fit_peak["start_bytes"]
         self._accumulate(timing, peak)
-        record = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
-                  **_gather(trainer, _row(timing, peak))}
+        record = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            **_gather(trainer, _row(timing, peak)),
+        }
         self._epochs.append(record)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -153,20 +162,25 @@ class BenchmarkMonitor(Callback):
             return
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, self._filename)
-        payload = to_jsonable({
-            "schema": SCHEMA,
-            "run": _run_description(trainer, pl_module, self._warmup_steps, self._memory),
-            "config": self._config,
-            "cli_config": _cli_config(log_dir),
-            "environment": environment(),
-            "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
-                              if isinstance(v, torch.Tensor) and v.numel() == 1},
-            "summary": summary,
-            "step_s_per_rank": step_samples,
-            # accumulate_grad_batches per step, in order: the last of each step's is the one that syncs and steps
-            "micro_batch_s_per_rank": micro_batch_samples,
-            "epochs": self._epochs,
-        })
+        payload = to_jsonable(
+            {
+                "schema": SCHEMA,
+                "run": _run_description(trainer, pl_module, self._warmup_steps, self._memory),
+                "config": self._config,
+                "cli_config": _cli_config(log_dir),
+                "environment": environment(),
+                "final_metrics": {
+                    k: float(v)
+                    for k, v in trainer.callback_metrics.items()
+                    if isinstance(v, torch.Tensor) and v.numel() == 1
+                },
+                "summary": summary,
+                "step_s_per_rank": step_samples,
+                # accumulate_grad_batches per step, in order: the last of each step's is the one that syncs and steps
+                "micro_batch_s_per_rank": micro_batch_samples,
+                "epochs": self._epochs,
+            }
+        )
         with open(self.path, "w") as out:
             json.dump(payload, out, indent=2, allow_nan=False)
 
@@ -179,10 +193,15 @@ class BenchmarkMonitor(Callback):
             self._fit_peak[key] = _nanmax([self._fit_peak.get(key, math.nan), peak[key]])
 
     def _metrics(self, values: dict[str, float]) -> dict[str, float]:
-        names = {"step_s_median": "step_time_s", "step_s_trimmed_mean": "step_time_trimmed_s",
-                 "micro_batch_s_median": "micro_batch_time_s", "data_wait_s_median": "data_wait_s",
-                 "time_s": "epoch_time_s", "samples_per_s": "samples_per_s",
-                 "steady_samples_per_s": "steady_samples_per_s"}
+        names = {
+            "step_s_median": "step_time_s",
+            "step_s_trimmed_mean": "step_time_trimmed_s",
+            "micro_batch_s_median": "micro_batch_time_s",
+            "data_wait_s_median": "data_wait_s",
+            "time_s": "epoch_time_s",
+            "samples_per_s": "samples_per_s",
+            "steady_samples_per_s": "steady_samples_per_s",
+        }
         metrics = {self._prefix + name: values[key] for key, name in names.items()}
         metrics[self._prefix + "peak_memory_mb"] = values["peak_bytes"] / 2**20
         metrics[self._prefix + "peak_above_start_mb"] = values["peak_above_start_bytes"] / 2**20
@@ -193,9 +212,12 @@ class BenchmarkMonitor(Callback):
 
 def _row(timing: EpochTiming, peak: dict[str, float]) -> dict[str, float]:
     """One rank's numbers of a span (an epoch or the whole fit) as a flat dict of floats."""
-    row: dict[str, float] = {"time_s": timing.epoch_s, "samples": float(timing.epoch_samples),
-                             "steady_samples": float(sum(timing.step_samples)),
-                             "steady_s": sum(timing.step_s) + sum(timing.data_wait_s)}
+    row: dict[str, float] = {
+        "time_s": timing.epoch_s,
+        "samples": float(timing.epoch_samples),
+        "steady_samples": float(sum(timing.step_samples)),
+        "steady_s": sum(timing.step_s) + sum(timing.data_wait_s),
+    }
     for name in ("step_s", "micro_batch_s", "data_wait_s"):
         row.update({f"{name}_{k}": v for k, v in summarize(getattr(timing, name)).items()})
     row["peak_bytes"] = peak.get("peak_bytes", math.nan)
@@ -230,8 +252,9 @@ def _gather_samples(trainer: Trainer, *series: list[float]) -> list[list[list[fl
     """Every rank's values of each series (lengths may differ), per series then per rank: one gather of
     the lengths, one of the padded samples, however many series."""
     device = trainer.strategy.root_device
-    lengths = _all_gather(trainer, torch.tensor([len(v) for v in series], device=device)).reshape(
-        -1, len(series)).tolist()
+    lengths = (
+        _all_gather(trainer, torch.tensor([len(v) for v in series], device=device)).reshape(-1, len(series)).tolist()
+    )
     width = max(1, *(n for row in lengths for n in row))
     padded = torch.full((len(series), width), math.nan, dtype=torch.float64, device=device)
     for i, values in enumerate(series):
@@ -258,8 +281,9 @@ def _dataset_kind(trainer: Trainer, pl_module: LightningModule) -> str | None:
     return None
 
 
-def _run_description(trainer: Trainer, pl_module: LightningModule, warmup_steps: int,
-                     memory: PeakMemory | None) -> dict[str, Any]:
+def _run_description(
+    trainer: Trainer, pl_module: LightningModule, warmup_steps: int, memory: PeakMemory | None
+) -> dict[str, Any]:
     datamodule = trainer.datamodule
     return {
         "world_size": trainer.world_size,

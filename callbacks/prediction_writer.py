@@ -40,12 +40,16 @@ def _collate(batches: Sequence[Any], batch_indices: Sequence[Sequence[int]]) -> 
         return {"index": index}  # a rank can get no sample when the dataset is smaller than the world
     rows = [{"prediction": b} if isinstance(b, Tensor) else b for b in batches]
     if not all(isinstance(row, Mapping) and all(isinstance(v, Tensor) for v in row.values()) for row in rows):
-        raise TypeError(f"PredictionWriter saves tensors or dicts of tensors; predict_step returned "
-                        f"{type(batches[0]).__name__}. Return e.g. {{'pred': tensor, ...}} per batch.")
+        raise TypeError(
+            f"PredictionWriter saves tensors or dicts of tensors; predict_step returned "
+            f"{type(batches[0]).__name__}. Return e.g. {{'pred': tensor, ...}} per batch."
+        )
     part = {key: torch.cat([row[key].detach().cpu() for row in rows]) for key in rows[0]}
     if any(len(value) != len(index) for value in part.values()):
-        raise ValueError(f"PredictionWriter: predictions hold {[len(v) for v in part.values()]} rows for "
-                         f"{len(index)} samples; every predict_step output needs the batch dimension first.")
+        raise ValueError(
+            f"PredictionWriter: predictions hold {[len(v) for v in part.values()]} rows for "
+            f"{len(index)} samples; every predict_step output needs the batch dimension first."
+        )
     return {**part, "index": index}
 
 
@@ -76,18 +80,23 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.written = []
         if len(trainer.num_predict_batches) != 1:  # fail before predicting, not after
-            raise ValueError(f"PredictionWriter writes one predict dataloader, got {len(trainer.num_predict_batches)}"
-                             "; return a single predict_dataloader or run predict once per dataloader.")
+            raise ValueError(
+                f"PredictionWriter writes one predict dataloader, got {len(trainer.num_predict_batches)}"
+                "; return a single predict_dataloader or run predict once per dataloader."
+            )
 
-    def write_on_epoch_end(self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any],
-                           batch_indices: Sequence[Any]) -> None:
+    def write_on_epoch_end(
+        self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
         path = self._target(trainer)
         part = _collate(predictions, batch_indices[0] if batch_indices else [])
         if not self.merge:
             path = path.with_name(f"{path.stem}_rank{trainer.global_rank}{path.suffix}")
             self._save(part, path)
-            self._report = (f"PredictionWriter: each rank wrote its predictions to {path.parent}/"
-                            f"{path.stem.rsplit('_rank', 1)[0]}_rank*{path.suffix}")
+            self._report = (
+                f"PredictionWriter: each rank wrote its predictions to {path.parent}/"
+                f"{path.stem.rsplit('_rank', 1)[0]}_rank*{path.suffix}"
+            )
             return
         parts = self._gather_to_rank_zero(part, trainer)
         if trainer.is_global_zero:

@@ -89,17 +89,19 @@ def run_hparams(trainer: Trainer, pl_module: LightningModule) -> dict[str, Scala
     params: dict[str, Any] = {**dict(pl_module.hparams), **datamodule_hparams}
     options = strategy_options(trainer.strategy)
     batch_size = datamodule_hparams.get("batch_size")
-    params.update({
-        "strategy": strategy_name(trainer.strategy),
-        "world_size": trainer.world_size,
-        "num_nodes": trainer.num_nodes,
-        "devices": trainer.num_devices,
-        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "precision": str(trainer.precision),
-        "max_epochs": trainer.max_epochs,
-        "seed": os.environ.get("PL_GLOBAL_SEED"),  # set by seed_everything (LightningCLI: seed_everything)
-        "stage": trainer.state.fn.value if trainer.state.fn is not None else None,
-    })
+    params.update(
+        {
+            "strategy": strategy_name(trainer.strategy),
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "devices": trainer.num_devices,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "precision": str(trainer.precision),
+            "max_epochs": trainer.max_epochs,
+            "seed": os.environ.get("PL_GLOBAL_SEED"),  # set by seed_everything (LightningCLI: seed_everything)
+            "stage": trainer.state.fn.value if trainer.state.fn is not None else None,
+        }
+    )
     if isinstance(batch_size, int) and not isinstance(batch_size, bool):
         params["global_batch_size"] = batch_size * trainer.world_size * trainer.accumulate_grad_batches
     seed = params["seed"]

@@ -100,9 +100,7 @@ def _ring_all_gather(
     _wait_all(sends)
 
 
-def butterfly_all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def butterfly_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Average ``tensor`` in place across ``group`` with an all-to-all reduce-scatter + all-gather.
 
     Arguments, return value and errors are those of :func:`ring_all_reduce`.
@@ -130,9 +128,7 @@ def butterfly_all_reduce(
     return _write_back(tensor, flat)
 
 
-def _prepare(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, dist.ProcessGroup, int, int]:
+def _prepare(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, dist.ProcessGroup, int, int]:
     """Validate the input and return (flat contiguous view or copy, group, rank, world size)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -143,8 +139,7 @@ def _prepare(
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "torch.distributed is not initialised; call dist.init_process_group(...) first "
-            "(or launch with torchrun)"
+            "torch.distributed is not initialised; call dist.init_process_group(...) first (or launch with torchrun)"
         )
     group = group if group is not None else dist.group.WORLD
     if dist.get_rank(group) < 0:

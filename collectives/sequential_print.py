@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 import torch.distributed as dist
 

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -49,10 +49,11 @@ class BlockingDataset(TensorDataset):
             time.sleep(1.0)
         return super().__getitem__(index)
 
+
 SAMPLES, VAL_SAMPLES, BATCH = 384, 128, 16  # 12 training batches per rank and epoch, 4 validation batches
 
 
-def _where(spec: Optional[str], fields: int = 3) -> Optional[tuple[float, ...]]:
+def _where(spec: str | None, fields: int = 3) -> tuple[float, ...] | None:
     if not spec:
         return None
     parts = tuple(float(p) for p in spec.split(":"))
@@ -82,14 +83,26 @@ class FaultNet(pl.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                 nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Dropout(0.2), nn.Linear(128, 10))
-        self.events: Optional[Events] = None
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Dropout(0.2),
+            nn.Linear(128, 10),
+        )
+        self.events: Events | None = None
         self._saves = 0
 
-    def _at(self, spec: Optional[tuple[float, ...]], batch_idx: int) -> bool:
-        return (FIRST_ATTEMPT and spec is not None and int(spec[0]) == self.global_rank
-                and int(spec[1]) == self.current_epoch and int(spec[2]) == batch_idx)
+    def _at(self, spec: tuple[float, ...] | None, batch_idx: int) -> bool:
+        return (
+            FIRST_ATTEMPT
+            and spec is not None
+            and int(spec[0]) == self.global_rank
+            and int(spec[1]) == self.current_epoch
+            and int(spec[2]) == batch_idx
+        )
 
     def setup(self, stage: str) -> None:
         pl.seed_everything(100 + self.global_rank, verbose=False)  # after the weights: those are the same everywhere
@@ -156,7 +169,7 @@ class FaultNet(pl.LightningModule):
         return self._loader(VAL_SAMPLES, 1)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max_epochs", type=int, default=3)
@@ -179,7 +192,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -187,12 +200,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     model = FaultNet(args)
     stall = {} if args.stall_timeout is None else {"stall_timeout": args.stall_timeout}
     strategy = CustomDDPStrategy(timeout=args.timeout, desync_check=args.desync_check, **stall)
-    checkpoint = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1,
-                                 every_n_epochs=args.ckpt_every_n_epochs)
+    checkpoint = ModelCheckpoint(
+        dirpath=args.out / "checkpoints", save_last=True, save_top_k=-1, every_n_epochs=args.ckpt_every_n_epochs
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.max_epochs, callbacks=[checkpoint],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=args.max_epochs,
+        callbacks=[checkpoint],
         accumulate_grad_batches=args.accumulate,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
         default_root_dir=args.out,
     )
     events = Events(args.out, trainer.global_rank)

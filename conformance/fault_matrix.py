@@ -8,10 +8,10 @@ to the end of training. Signals come from this process (``os.kill`` on one rank'
 the rank's event file) while the rank is where the row says: blocked in the SyncBN all_gather of a
 training batch (its peer held back 1.5 s), in a validation batch, or inside a checkpoint save.
 Stall rows (``stall_timeout`` 20 s) stop rank 1 or rank 0 (the store's host) with SIGSTOP, loop
-forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0's checkpoint save for 2 x ``stall_timeout`` (must not
-fire). Restart rows run the fit under ``torchrun --max-restarts=1`` with ``--ckpt_path last``: the
-job must finish (exit 0). A resumed fit's final weights (a restart row's, or ``fit --ckpt_path`` from the
-checkpoint written after the fault) are compared with an uninterrupted run's. "Steps lost"
+forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0's checkpoint save for 2 x
+``stall_timeout`` (must not fire). Restart rows run the fit under ``torchrun --max-restarts=1`` with
+``--ckpt_path last``: the job must finish (exit 0). A resumed fit's final weights (a restart row's, or
+``fit --ckpt_path`` from the checkpoint written after the fault) are compared with an uninterrupted run's. "Steps lost"
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
 after the fault, else the newest one before it)::
 
@@ -34,29 +34,43 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from benchmarks.launcher import without_launch_variables
 from conformance import fault_matrix_report
 from conformance.fault_messages import rank0_message
-from conformance.fault_rows import (DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STALL_S, STEPS_PER_EPOCH, Result,
-                                    Row)
+from conformance.fault_rows import DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row
 from measure.run_info import environment
-from benchmarks.launcher import without_launch_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
 README = REPO_ROOT / "README.md"
 
-def _fit_command(out: Path, row: Optional[Row], ckpt_path: Optional[Path] = None, accumulate: int = 1) -> list[str]:
+
+def _fit_command(out: Path, row: Row | None, ckpt_path: Path | None = None, accumulate: int = 1) -> list[str]:
     """The fit with ``row``'s faults (``None``: none; ``accumulate`` then sets ``accumulate_grad_batches``)."""
     accumulate = row.accumulate if row is not None else accumulate
-    fit = ["-m", "conformance.fault_fit", "--out", str(out), "--max_epochs", str(EPOCHS), "--accumulate",
-           str(accumulate)]
+    fit = [
+        "-m",
+        "conformance.fault_fit",
+        "--out",
+        str(out),
+        "--max_epochs",
+        str(EPOCHS),
+        "--accumulate",
+        str(accumulate),
+    ]
     if row is not None and row.max_restarts is not None:  # torchrun's elastic agent restarts every rank
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    f"--max-restarts={row.max_restarts}"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--max-restarts={row.max_restarts}",
+        ]
         return launcher + fit + ["--ckpt_path", "last"] + _fault_flags(row)
     command = [sys.executable] + fit
     if ckpt_path is not None:
@@ -74,10 +88,16 @@ def _fault_flags(row: Row) -> list[str]:
         command += ["--hold", f"{1 - row.rank}:{row.epoch}:{row.batch}:{HOLD_S}"]
     if row.phase == "ckpt":
         hold = 2 * row.stall_timeout_s if row.fault == "slow_save" and row.stall_timeout_s else HOLD_S
-        command += ["--ckpt_hold", str(hold)] + (["--ckpt_hold_rank", str(row.rank)] if row.fault == "slow_save" else [])
-    flag = {"exception": "--raise_at", "exception_after_forward": "--raise_after_forward_at",
-            "rank_collective": "--rank_collective_at", "loop": "--loop_at",
-            "block_loader": "--block_loader_at"}.get(row.fault)
+        command += ["--ckpt_hold", str(hold)] + (
+            ["--ckpt_hold_rank", str(row.rank)] if row.fault == "slow_save" else []
+        )
+    flag = {
+        "exception": "--raise_at",
+        "exception_after_forward": "--raise_after_forward_at",
+        "rank_collective": "--rank_collective_at",
+        "loop": "--loop_at",
+        "block_loader": "--block_loader_at",
+    }.get(row.fault)
     return command + ([flag, where] if flag else [])
 
 
@@ -92,7 +112,7 @@ def _events(out: Path) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def _trigger(row: Row, event: dict[str, Any]) -> Optional[float]:
+def _trigger(row: Row, event: dict[str, Any]) -> float | None:
     """Seconds to wait before sending the row's signal, if ``event`` is its moment; else ``None``."""
     if event["rank"] != row.rank:
         return None
@@ -114,7 +134,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _shell_status(returncode: Optional[int]) -> Optional[int]:
+def _shell_status(returncode: int | None) -> int | None:
     return None if returncode is None else (128 - returncode if returncode < 0 else returncode)
 
 
@@ -122,18 +142,24 @@ def _shell_status(returncode: Optional[int]) -> Optional[int]:
 class FitRun:
     returncode: int
     pids: dict[int, int]  # rank -> process id
-    fault_at: Optional[float]  # time.time() of the fault (signal sent, or the rank's "fault" event)
+    fault_at: float | None  # time.time() of the fault (signal sent, or the rank's "fault" event)
     gone_at: float  # when the last rank process was seen gone (polled every 10 ms)
     killed: bool  # still running DEADLINE_S after the fault (or at the overall deadline): killed here
 
 
-def _run_fit(command: list[str], out: Path, row: Optional[Row]) -> FitRun:
+def _run_fit(command: list[str], out: Path, row: Row | None) -> FitRun:
     """Run one fit; send ``row``'s signal at its moment; poll until every rank process is gone."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "output.log", "w") as log:
         env = without_launch_variables(dict(os.environ))  # not an earlier in-process run's rendezvous
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+        )
         pids: dict[int, int] = {}
         fault_at, send_at, deadline, killed = None, None, time.time() + 2 * DEADLINE_S, True
         try:
@@ -155,8 +181,9 @@ def _run_fit(command: list[str], out: Path, row: Optional[Row]) -> FitRun:
     return FitRun(proc.returncode, pids, fault_at, gone_at, killed)
 
 
-def _inject(row: Row, events: list[dict[str, Any]], pids: dict[int, int],
-            send_at: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+def _inject(
+    row: Row, events: list[dict[str, Any]], pids: dict[int, int], send_at: float | None
+) -> tuple[float | None, float | None]:
     """``(fault time or None, when to send the signal or None)``; sends it once its time has come."""
     if not row.is_signal:
         return next((e["t"] for e in events if e["event"] == "fault"), None), None
@@ -177,7 +204,7 @@ def _kill_quietly(pid: int) -> None:
             pass
 
 
-def _checkpoint_step(path: Path, after: float) -> Optional[int]:
+def _checkpoint_step(path: Path, after: float) -> int | None:
     if not path.exists() or path.stat().st_mtime < after:
         return None
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
@@ -187,7 +214,7 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 
-def same_as_uninterrupted(final: Path, work: Path, accumulate: int = 1) -> Optional[bool]:
+def same_as_uninterrupted(final: Path, work: Path, accumulate: int = 1) -> bool | None:
     """Whether ``final``'s weights equal bitwise those of an uninterrupted fit with ``accumulate_grad_batches``
     ``accumulate`` (run once per ``work`` folder)."""
     reference = work / ("uninterrupted" if accumulate == 1 else f"uninterrupted_accumulate{accumulate}")
@@ -220,8 +247,9 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
     run = _run_fit(_fit_command(out, row), out, row)
     if run.fault_at is None:
         tail = "\n".join((out / "output.log").read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"{row.name}: the fault was never injected (exit {run.returncode}); the fit's output "
-                           f"ends with:\n{tail}")
+        raise RuntimeError(
+            f"{row.name}: the fault was never injected (exit {run.returncode}); the fit's output ends with:\n{tail}"
+        )
     events = _events(out)
     first = _attempt_pids(events, first=True)
     exits = {e["rank"]: e for e in events if e["event"] == "exit" and e["pid"] in first}
@@ -231,15 +259,25 @@ def run_row(row: Row, out: Path, resume: bool = True) -> Result:
     status = {rank: exits[rank]["code"] if rank in exits else None for rank in sorted(run.pids)}
     if row.max_restarts is None:
         status[0] = _shell_status(run.returncode)
-    before = [e["step"] for e in events
-              if e["event"] == "train_batch" and e["rank"] == row.rank and e["t"] <= run.fault_at]
+    before = [
+        e["step"] for e in events if e["event"] == "train_batch" and e["rank"] == row.rank and e["t"] <= run.fault_at
+    ]
     last = out / "checkpoints" / "last.ckpt"
     exited = round(max(e["t"] for e in exits.values()) - run.fault_at, 2) if len(exits) == len(run.pids) else None
     # The slow-save row's last.ckpt after its "fault" is the fit's own end-of-run checkpoint: no stop's.
     after = None if row.max_restarts is not None or row.fault == "slow_save" else _checkpoint_step(last, run.fault_at)
-    result = Result(row.name, row.label, None if run.killed else round(run.gone_at - run.fault_at, 2), exited,
-                    status, rank0_message(out), after, max(before) if before else None, hung=run.killed,
-                    final_step=row.final_step)
+    result = Result(
+        row.name,
+        row.label,
+        None if run.killed else round(run.gone_at - run.fault_at, 2),
+        exited,
+        status,
+        rank0_message(out),
+        after,
+        max(before) if before else None,
+        hung=run.killed,
+        final_step=row.final_step,
+    )
     result.notes += [f"rank {rank}: no exit event (killed)" for rank in run.pids if rank not in exits]
     if row.max_restarts is not None:
         _restart_outcome(result, events, run)
@@ -267,7 +305,7 @@ def _resume_outcome(result: Result, checkpoint: Path, out: Path, accumulate: int
     result.same_weights = same_as_uninterrupted(resumed / "checkpoints" / "last.ckpt", out.parent, accumulate)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", choices=sorted(ROWS_BY_NAME), help="default: every row")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -279,8 +317,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in rows:
             results.append(run_row(row, Path(work) / row.name))
             print(json.dumps(asdict(results[-1])), flush=True)
-    record = {"benchmark": "fault_matrix", "date": time.strftime("%Y-%m-%d"), "environment": environment(),
-              "load_before": load_before, "final_step": STEPS_PER_EPOCH * EPOCHS, "rows": [asdict(r) for r in results]}
+    record = {
+        "benchmark": "fault_matrix",
+        "date": time.strftime("%Y-%m-%d"),
+        "environment": environment(),
+        "load_before": load_before,
+        "final_step": STEPS_PER_EPOCH * EPOCHS,
+        "rows": [asdict(r) for r in results],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / "results.md").write_text("# Fault matrix\n\n" + fault_matrix_report.render_block(record) + "\n")

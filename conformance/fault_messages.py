@@ -22,9 +22,12 @@ def rank0_message(out: Path) -> str:
         return _stall_message(lines[stall:])
     ours = [line.strip() for line in lines if (line.startswith("custom_ddp") and " received " not in line)]
     if any("desync check" in line for line in ours):  # rank 0's message: the header and one line per rank
-        start = next(i for i in range(len(lines) - 1)
-                     if "desync check" in lines[i] and lines[i + 1].strip().startswith("rank 0:"))
-        ours = [line.strip() for line in lines[start:start + 3]]
+        start = next(
+            i
+            for i in range(len(lines) - 1)
+            if "desync check" in lines[i] and lines[i + 1].strip().startswith("rank 0:")
+        )
+        ours = [line.strip() for line in lines[start : start + 3]]
     if ours:
         return " / ".join(dict.fromkeys(ours))
     errors: dict[str, str] = {}

@@ -20,14 +20,27 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, RunningMean, SumMetric
-from torchmetrics.classification import (BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision, BinaryF1Score,
-                                         MulticlassAccuracy)
+from torchmetrics.classification import (
+    BinaryAccuracy,
+    BinaryAUROC,
+    BinaryAveragePrecision,
+    BinaryF1Score,
+    MulticlassAccuracy,
+)
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
 from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapper
 
-__all__ = ["NUM_SAMPLES", "CallbackAUROC", "IteratorStepsModule", "MeanStateMetric", "PatternModule", "ValidateInsideFit",
-           "VariableWidthGather", "dataset"]
+__all__ = [
+    "NUM_SAMPLES",
+    "CallbackAUROC",
+    "IteratorStepsModule",
+    "MeanStateMetric",
+    "PatternModule",
+    "ValidateInsideFit",
+    "VariableWidthGather",
+    "dataset",
+]
 
 NUM_SAMPLES = 11
 BATCH_SIZE = 4
@@ -36,8 +49,9 @@ BATCH_SIZE = 4
 def dataset(n: int = NUM_SAMPLES, seed: int = 0) -> TensorDataset:
     """``(features, label, index)`` rows; the labels are not separable by the fixed model."""
     generator = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 4, generator=generator), torch.randint(0, 2, (n,), generator=generator),
-                         torch.arange(n))
+    return TensorDataset(
+        torch.randn(n, 4, generator=generator), torch.randint(0, 2, (n,), generator=generator), torch.arange(n)
+    )
 
 
 class MeanStateMetric(Metric):
@@ -58,22 +72,32 @@ class MeanStateMetric(Metric):
 
 def _metrics() -> nn.ModuleDict:
     accuracy_f1 = BinaryAccuracy() + BinaryF1Score()  # a compositional metric
-    return nn.ModuleDict({
-        "auroc": BinaryAUROC(), "ap": BinaryAveragePrecision(), "auroc_cpu": BinaryAUROC(compute_on_cpu=True),
-        "auroc_own_group": BinaryAUROC(),  # its process_group is set in setup(), once one exists
-        "retrieval_map": RetrievalMAP(),  # list states reduced by None: one gather per update in torchmetrics
-        "pearson": PearsonCorrCoef(),     # tensor states reduced by None (its own merge of moments)
-        "max": MaxMetric(), "min": MinMetric(), "mean_step_synced": MeanMetric(dist_sync_on_step=True),
-        "local_acc": BinaryAccuracy(sync_on_compute=False), "mean_state": MeanStateMetric(),
-        "running_mean": RunningMean(window=2), "minmax": MinMaxMetric(BinaryAccuracy()),
-        "collection": MetricCollection({"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()}),
-        "collection_nogroups": MetricCollection({"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()},
-                                                compute_groups=False),
-        "classwise": ClasswiseWrapper(MulticlassAccuracy(num_classes=2, average=None), labels=["neg", "pos"]),
-        "multitask": MultitaskWrapper({"acc": BinaryAccuracy(), "mse": MeanSquaredError()}),
-        "accuracy_plus_f1": accuracy_f1,
-        "epoch_end_ap": BinaryAveragePrecision(), "batch_end_auroc": BinaryAUROC(),
-    })
+    return nn.ModuleDict(
+        {
+            "auroc": BinaryAUROC(),
+            "ap": BinaryAveragePrecision(),
+            "auroc_cpu": BinaryAUROC(compute_on_cpu=True),
+            "auroc_own_group": BinaryAUROC(),  # its process_group is set in setup(), once one exists
+            "retrieval_map": RetrievalMAP(),  # list states reduced by None: one gather per update in torchmetrics
+            "pearson": PearsonCorrCoef(),  # tensor states reduced by None (its own merge of moments)
+            "max": MaxMetric(),
+            "min": MinMetric(),
+            "mean_step_synced": MeanMetric(dist_sync_on_step=True),
+            "local_acc": BinaryAccuracy(sync_on_compute=False),
+            "mean_state": MeanStateMetric(),
+            "running_mean": RunningMean(window=2),
+            "minmax": MinMaxMetric(BinaryAccuracy()),
+            "collection": MetricCollection({"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()}),
+            "collection_nogroups": MetricCollection(
+                {"f1": BinaryF1Score(), "ap": BinaryAveragePrecision()}, compute_groups=False
+            ),
+            "classwise": ClasswiseWrapper(MulticlassAccuracy(num_classes=2, average=None), labels=["neg", "pos"]),
+            "multitask": MultitaskWrapper({"acc": BinaryAccuracy(), "mse": MeanSquaredError()}),
+            "accuracy_plus_f1": accuracy_f1,
+            "epoch_end_ap": BinaryAveragePrecision(),
+            "batch_end_auroc": BinaryAUROC(),
+        }
+    )
 
 
 class PatternModule(pl.LightningModule):
@@ -111,13 +135,27 @@ class PatternModule(pl.LightningModule):
         self.scores.append(scores)
         self.log("sync_dist_mean", scores.mean(), sync_dist=True, batch_size=len(scores))
         self.log("step_sync_dist", scores.sum(), on_step=True, on_epoch=True, sync_dist=True, reduce_fx="sum")
-        for name in ("auroc", "ap", "auroc_cpu", "auroc_own_group", "retrieval_map", "pearson", "max", "min",
-                     "mean_step_synced", "local_acc", "mean_state",
-                     "running_mean", "accuracy_plus_f1"):
+        for name in (
+            "auroc",
+            "ap",
+            "auroc_cpu",
+            "auroc_own_group",
+            "retrieval_map",
+            "pearson",
+            "max",
+            "min",
+            "mean_step_synced",
+            "local_acc",
+            "mean_state",
+            "running_mean",
+            "accuracy_plus_f1",
+        ):
             self.log(name, m[name], batch_size=len(scores))
         return scores
 
-    def on_validation_batch_end(self, outputs: torch.Tensor, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, outputs: torch.Tensor, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self.metrics["batch_end_auroc"].update(outputs, batch[1])
 
     def on_validation_epoch_end(self) -> None:
@@ -153,8 +191,15 @@ class CallbackAUROC(Callback):
     def __init__(self) -> None:
         self.auroc = BinaryAUROC()
 
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self.auroc.update(outputs, batch[1])
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

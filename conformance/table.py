@@ -15,17 +15,23 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from benchmarks.readme_block import replace_block
-from conformance.patterns import (CallbackAUROC, IteratorStepsModule, PatternModule, ValidateInsideFit,
-                                 VariableWidthGather)
+from conformance.patterns import (
+    CallbackAUROC,
+    IteratorStepsModule,
+    PatternModule,
+    ValidateInsideFit,
+    VariableWidthGather,
+)
 from measure.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
@@ -38,17 +44,18 @@ LABELS = {
     "auroc": "BinaryAUROC logged in validation_step (list/cat states)",
     "ap": "BinaryAveragePrecision (cat states)",
     "auroc_cpu": "BinaryAUROC(compute_on_cpu=True)",
-    "max": "MaxMetric", "min": "MinMetric",
+    "max": "MaxMetric",
+    "min": "MinMetric",
     "mean_step_synced": "MeanMetric(dist_sync_on_step=True)",
     "local_acc": "BinaryAccuracy(sync_on_compute=False): local by design (rank 0's shard)",
-    "mean_state": "a metric with \"mean\" states: torchmetrics' own sync (mean over ranks)",
+    "mean_state": 'a metric with "mean" states: torchmetrics\' own sync (mean over ranks)',
     "running_mean": "RunningMean(window=2): windows of per-rank batches",
     "accuracy_plus_f1": "compositional: BinaryAccuracy() + BinaryF1Score()",
     "epoch_end_ap": "BinaryAveragePrecision computed in on_validation_epoch_end",
     "batch_end_auroc": "BinaryAUROC updated in on_validation_batch_end",
     "callback_auroc": "BinaryAUROC owned by a Callback",
     "sync_dist_mean": "self.log(mean, sync_dist=True)",
-    "step_sync_dist_epoch": "self.log(sum, on_step=True, sync_dist=True, reduce_fx=\"sum\")",
+    "step_sync_dist_epoch": 'self.log(sum, on_step=True, sync_dist=True, reduce_fx="sum")',
     "all_gather_shape": "self.all_gather(per-sample scores) at epoch end: shape",
     "all_gather_samples_rows": "strategy.all_gather_samples(per-sample scores): rows",
     "dataloader_iter_count": "SumMetric of samples, dataloader_iter steps",
@@ -60,9 +67,11 @@ LABELS = {
     "pearson": "PearsonCorrCoef (tensor states reduced by None: torchmetrics' own gather)",
 }
 PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
-    "minmax": "MinMaxMetric(BinaryAccuracy())", "collection": "MetricCollection(F1, AP), compute groups",
+    "minmax": "MinMaxMetric(BinaryAccuracy())",
+    "collection": "MetricCollection(F1, AP), compute groups",
     "collection_nogroups": "MetricCollection(F1, AP, compute_groups=False)",
-    "classwise": "ClasswiseWrapper(MulticlassAccuracy(average=None))", "multitask": "MultitaskWrapper(acc, mse)",
+    "classwise": "ClasswiseWrapper(MulticlassAccuracy(average=None))",
+    "multitask": "MultitaskWrapper(acc, mse)",
 }
 
 
@@ -79,9 +88,17 @@ def _strategy(setting: str) -> Any:
 
 
 def _trainer(setting: str, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1 if setting == "one_process" else 2, strategy=_strategy(setting),
-                      logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=False, max_epochs=1, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1 if setting == "one_process" else 2,
+        strategy=_strategy(setting),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_epochs=1,
+        **kwargs,
+    )
 
 
 def outcome_of(run: Callable[[], Any]) -> Any:
@@ -97,17 +114,23 @@ def outcome_of(run: Callable[[], Any]) -> Any:
 def _patterns(setting: str, work: Path) -> dict[str, Any]:
     out = work / setting
     out.mkdir(parents=True, exist_ok=True)
-    values: dict[str, Any] = dict(_trainer(setting, callbacks=[CallbackAUROC()]).validate(PatternModule(out),
-                                                                                          verbose=False)[0])
+    values: dict[str, Any] = dict(
+        _trainer(setting, callbacks=[CallbackAUROC()]).validate(PatternModule(out), verbose=False)[0]
+    )
     gathered = json.loads((out / "gather.json").read_text())
     values["all_gather_shape"] = "x".join(map(str, gathered["all_gather_shape"]))
     values["all_gather_samples_rows"] = gathered.get("all_gather_samples_rows", "n/a")
     values["dataloader_iter_count"] = _trainer(setting).validate(IteratorStepsModule(), verbose=False)[0]["count"]
     values["list_loader_count"] = _trainer(setting).test(IteratorStepsModule(), [0, 1, 2], verbose=False)[0]["count"]
-    values["validate_inside_fit"] = outcome_of(lambda: _trainer(setting, callbacks=[ValidateInsideFit()],
-                                                              num_sanity_val_steps=0).fit(IteratorStepsModule()) or "ran")
+    values["validate_inside_fit"] = outcome_of(
+        lambda: (
+            _trainer(setting, callbacks=[ValidateInsideFit()], num_sanity_val_steps=0).fit(IteratorStepsModule())
+            or "ran"
+        )
+    )
     values["variable_width_all_gather"] = outcome_of(
-        lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered")
+        lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered"
+    )
     return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}
 
 
@@ -120,20 +143,30 @@ def _cell(value: Any, reference: Any) -> str:
 
 def render(record: dict[str, Any]) -> list[str]:
     versions = record["environment"]["versions"]
-    lines = [f"_Generated by `{record['command']}` (torch {versions.get('torch')}, Lightning "
-             f"{versions.get('lightning')}, torchmetrics {versions.get('torchmetrics')}); 11 samples, 2 CPU ranks; "
-             "≠: differs from one process by more than 1e-6._",
-             "", "| pattern | 1 process | ddp | custom_ddp |", "|---|---|---|---|"]
+    lines = [
+        f"_Generated by `{record['command']}` (torch {versions.get('torch')}, Lightning "
+        f"{versions.get('lightning')}, torchmetrics {versions.get('torchmetrics')}); 11 samples, 2 CPU ranks; "
+        "≠: differs from one process by more than 1e-6._",
+        "",
+        "| pattern | 1 process | ddp | custom_ddp |",
+        "|---|---|---|---|",
+    ]
     for row in record["rows"]:
         reference = row["one_process"]
-        lines.append(f"| {row['pattern']} | {_cell(reference, None)} | {_cell(row['ddp'], reference)} | "
-                     f"{_cell(row['custom_ddp'], reference)} |")
+        lines.append(
+            f"| {row['pattern']} | {_cell(reference, None)} | {_cell(row['ddp'], reference)} | "
+            f"{_cell(row['custom_ddp'], reference)} |"
+        )
     return lines
 
 
-def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md",
-                  render_record: Callable[[dict[str, Any]], list[str]] | None = None, begin: str = BEGIN,
-                  end: str = END) -> tuple[str, str]:
+def update_readme(
+    record: dict[str, Any],
+    readme: Path = REPO_ROOT / "README.md",
+    render_record: Callable[[dict[str, Any]], list[str]] | None = None,
+    begin: str = BEGIN,
+    end: str = END,
+) -> tuple[str, str]:
     """``(README text, README text with a fresh block)``; raises if the markers are missing.
 
     ``render_record``, ``begin`` and ``end``: another table's renderer and markers (default: this one's).
@@ -142,9 +175,15 @@ def update_readme(record: dict[str, Any], readme: Path = REPO_ROOT / "README.md"
     return replace_block(readme, begin, end, "\n".join([begin, "", *lines, "", end]))
 
 
-def write_tables(record: dict[str, Any], out: Path | None, default_out: Path, title: str,
-                 render_record: Callable[[dict[str, Any]], list[str]] = render, begin: str = BEGIN,
-                 end: str = END) -> None:
+def write_tables(
+    record: dict[str, Any],
+    out: Path | None,
+    default_out: Path,
+    title: str,
+    render_record: Callable[[dict[str, Any]], list[str]] = render,
+    begin: str = BEGIN,
+    end: str = END,
+) -> None:
     """``results.json`` + ``results.md`` in ``out``; with ``out=None`` in ``default_out`` and README's block too."""
     folder = out or default_out
     folder.mkdir(parents=True, exist_ok=True)

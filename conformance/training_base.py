@@ -44,7 +44,9 @@ class TrainingPattern(pl.LightningModule):
     ddp_options: ClassVar[dict[str, Any] | None] = {}
     custom_options: ClassVar[dict[str, Any]] = {}
     slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
-    resume_after_steps: ClassVar[int | None] = None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)
+    resume_after_steps: ClassVar[int | None] = (
+        None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +74,5 @@ class TrainingPattern(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        samples = list(zip(self.inputs, self.targets))[rank::world_size]
+        samples = list(zip(self.inputs, self.targets, strict=True))[rank::world_size]
         return DataLoader(samples, batch_size=BATCH_SIZE * WORLD_SIZE // world_size)
-
-

@@ -13,8 +13,12 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import (BackboneFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging,
-                                         WeightAveraging)
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    GradientAccumulationScheduler,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from torch import nn
 from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
@@ -31,7 +35,8 @@ class AfterBackwardClamp(TrainingPattern):
 
     def on_after_backward(self) -> None:
         self.records.setdefault("after_backward_grads", []).append(
-            {name: p.grad.detach().clone() for name, p in self.named_parameters() if p.grad is not None})
+            {name: p.grad.detach().clone() for name, p in self.named_parameters() if p.grad is not None}
+        )
         for p in self.parameters():
             if p.grad is not None:
                 p.grad.clamp_(-0.05, 0.05)
@@ -255,19 +260,31 @@ class DoubleBackward(TrainingPattern):
 
 
 PATTERNS: dict[str, type[TrainingPattern]] = {
-    "after_backward": AfterBackwardClamp, "after_manual_backward": ManualBackwardRescale,
-    "non_bn_buffer": NonBatchNormBuffer, "local_batchnorm": LocalBatchNorm,
-    "sparse_embedding_sgd": SparseEmbeddingSGD, "sparse_embedding_bag_adam": SparseEmbeddingBagAdam,
-    "unfreeze_in_hook": UnfreezeInHook, "unfreeze_in_training_step": UnfreezeInTrainingStep,
-    "freeze_again": FreezeAgain, "backbone_finetuning": BackboneUnfreeze,
-    "clip_with_accumulation": ClipWithAccumulation, "manual_optimization": ManualOptimization,
-    "unused_parameters": UnusedParameters, "accumulation_schedule": AccumulationSchedule, "swa": SWA,
-    "ema": EMA, "ema_syncbn": EMAOverSyncBatchNorm,
-    "activation_checkpointing": ActivationCheckpointing, "reentrant_checkpointing": ReentrantCheckpointing,
+    "after_backward": AfterBackwardClamp,
+    "after_manual_backward": ManualBackwardRescale,
+    "non_bn_buffer": NonBatchNormBuffer,
+    "local_batchnorm": LocalBatchNorm,
+    "sparse_embedding_sgd": SparseEmbeddingSGD,
+    "sparse_embedding_bag_adam": SparseEmbeddingBagAdam,
+    "unfreeze_in_hook": UnfreezeInHook,
+    "unfreeze_in_training_step": UnfreezeInTrainingStep,
+    "freeze_again": FreezeAgain,
+    "backbone_finetuning": BackboneUnfreeze,
+    "clip_with_accumulation": ClipWithAccumulation,
+    "manual_optimization": ManualOptimization,
+    "unused_parameters": UnusedParameters,
+    "accumulation_schedule": AccumulationSchedule,
+    "swa": SWA,
+    "ema": EMA,
+    "ema_syncbn": EMAOverSyncBatchNorm,
+    "activation_checkpointing": ActivationCheckpointing,
+    "reentrant_checkpointing": ReentrantCheckpointing,
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
-    "lbfgs_closure": LBFGSClosure, "grad_norm_clip_by_value": GradNormLoggedClipByValue,
-    "dropout_resumed_mid_epoch": DropoutResumedMidEpoch, "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
+    "lbfgs_closure": LBFGSClosure,
+    "grad_norm_clip_by_value": GradNormLoggedClipByValue,
+    "dropout_resumed_mid_epoch": DropoutResumedMidEpoch,
+    "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
     "worker_noise_resumed_at_epoch_end": WorkerNoiseResumedAtEpochEnd,
 }
 

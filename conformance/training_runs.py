@@ -55,22 +55,38 @@ def fit_pattern(pattern: type[TrainingPattern], setting: str, interrupt: bool = 
     if pattern.resume_after_steps is None or not interrupt:
         return _fit(pattern, setting)
     with tempfile.TemporaryDirectory() as checkpoints:
-        every = ModelCheckpoint(dirpath=checkpoints, filename="interrupted", every_n_train_steps=pattern.resume_after_steps)
+        every = ModelCheckpoint(
+            dirpath=checkpoints, filename="interrupted", every_n_train_steps=pattern.resume_after_steps
+        )
         _fit(pattern, setting, max_steps=pattern.resume_after_steps, checkpoint=every)
         return _fit(pattern, setting, ckpt_path=Path(checkpoints) / "interrupted.ckpt")
 
 
-def _fit(pattern: type[TrainingPattern], setting: str, max_steps: int = -1, checkpoint: ModelCheckpoint | None = None,
-         ckpt_path: Path | None = None) -> list[dict[str, Any]]:
+def _fit(
+    pattern: type[TrainingPattern],
+    setting: str,
+    max_steps: int = -1,
+    checkpoint: ModelCheckpoint | None = None,
+    ckpt_path: Path | None = None,
+) -> list[dict[str, Any]]:
     devices = 1 if setting == "one_process" else WORLD_SIZE
     module = pattern()
     callbacks = [*module.callbacks(), *([checkpoint] if checkpoint else [])]
     with tempfile.TemporaryDirectory() as out:
-        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(pattern, setting),
-                             max_epochs=pattern.max_epochs, max_steps=max_steps, use_distributed_sampler=False,
-                             logger=False, enable_checkpointing=checkpoint is not None, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[_SaveRankState(Path(out)), *callbacks],
-                             **pattern.trainer_options)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=_strategy(pattern, setting),
+            max_epochs=pattern.max_epochs,
+            max_steps=max_steps,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=checkpoint is not None,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[_SaveRankState(Path(out)), *callbacks],
+            **pattern.trainer_options,
+        )
         trainer.fit(module, ckpt_path=ckpt_path)
         return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]
 

@@ -69,7 +69,7 @@ def condense(message: str) -> str:
             match = _PARSER_KEY.match(line.strip(" -"))
             if match:
                 keys.insert(0, match["key"])
-    reason = " / ".join(line.strip(" -") for line in lines[first:last + 1])
+    reason = " / ".join(line.strip(" -") for line in lines[first : last + 1])
     return f"{'.'.join(keys)}: {reason}" if keys else reason
 
 
@@ -123,6 +123,7 @@ def short_option_errors(help_command: str) -> Iterator[None]:
         if _debug():
             raise
         reason = condense(str(error)) if isinstance(error, ArgumentError) else str(error)
-        sys.stderr.write(f"error: {reason}\n  (every option: {help_command}; "
-                         f"jsonargparse's full report: {DEBUG_VARIABLE}=true)\n")
+        sys.stderr.write(
+            f"error: {reason}\n  (every option: {help_command}; jsonargparse's full report: {DEBUG_VARIABLE}=true)\n"
+        )
         raise SystemExit(2) from None

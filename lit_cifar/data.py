@@ -167,8 +167,9 @@ class CIFAR100DataModule(LightningDataModule):
 
     def _write_synthetic(self) -> None:
         hp = self.hparams
-        write_synthetic_cifar100(self.synthetic_root, hp.synthetic_train_size, hp.synthetic_test_size,
-                                 hp.synthetic_seed)
+        write_synthetic_cifar100(
+            self.synthetic_root, hp.synthetic_train_size, hp.synthetic_test_size, hp.synthetic_seed
+        )
 
     def prepare_data(self) -> None:
         """Download (if allowed) or generate the files; Lightning runs this on one process per node."""
@@ -230,8 +231,14 @@ class CIFAR100DataModule(LightningDataModule):
         if dataset is None:
             raise RuntimeError("call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.hparams.num_workers
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
-                          persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.hparams.batch_size, shuffle=True)
@@ -247,8 +254,9 @@ class CIFAR100DataModule(LightningDataModule):
         split = {"test": self.test_set, "val": self.val_set, "train": self.train_set}[self.hparams.predict_split]
         return self._loader(split, self.hparams.eval_batch_size or self.hparams.batch_size, shuffle=False)
 
-    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor] | Tensor,
-                                dataloader_idx: int) -> tuple[Tensor, Tensor] | Tensor:
+    def on_after_batch_transfer(
+        self, batch: tuple[Tensor, Tensor] | Tensor, dataloader_idx: int
+    ) -> tuple[Tensor, Tensor] | Tensor:
         """Augment (training only) and normalise the uint8 batch on its device.
 
         A bare tensor is model input, not a batch of this DataModule (Lightning's model summary

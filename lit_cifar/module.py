@@ -88,13 +88,16 @@ class LitClassifier(LightningModule):
         if net not in NETS:
             raise OptionError(f"unknown net {net!r}; choose one of {sorted(NETS)}.")
         if optimizer not in _OPTIMIZERS or schedule not in _SCHEDULES:
-            raise OptionError(f"optimizer must be one of {_OPTIMIZERS} (got {optimizer!r}) and schedule one of "
-                             f"{_SCHEDULES} (got {schedule!r}).")
+            raise OptionError(
+                f"optimizer must be one of {_OPTIMIZERS} (got {optimizer!r}) and schedule one of "
+                f"{_SCHEDULES} (got {schedule!r})."
+            )
         if optimizer == "sgd" and nesterov and momentum <= 0:
             raise OptionError(f"nesterov=True needs momentum > 0, got momentum={momentum}; set nesterov=false.")
         if not 0.0 <= warmup_fraction < 1.0 or not 0.0 <= label_smoothing < 1.0:
-            raise OptionError(f"warmup_fraction ({warmup_fraction}) and label_smoothing ({label_smoothing}) "
-                             "must lie in [0, 1).")
+            raise OptionError(
+                f"warmup_fraction ({warmup_fraction}) and label_smoothing ({label_smoothing}) must lie in [0, 1)."
+            )
         self.save_hyperparameters()
         # Optimizer steps the LR schedule was built for: this fit's, and the resumed checkpoint's.
         self._schedule_steps: int | None = None
@@ -106,11 +109,17 @@ class LitClassifier(LightningModule):
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         # One metric set per stage ("train" cannot be a ModuleDict key: it is nn.Module.train).
         for stage in ("train", "val", "test"):
-            setattr(self, f"{stage}_metrics", nn.ModuleDict({
-                "loss": MeanMetric(),
-                "acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
-                "acc5": MulticlassAccuracy(num_classes, top_k=5, average="micro"),
-            }))
+            setattr(
+                self,
+                f"{stage}_metrics",
+                nn.ModuleDict(
+                    {
+                        "loss": MeanMetric(),
+                        "acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+                        "acc5": MulticlassAccuracy(num_classes, top_k=5, average="micro"),
+                    }
+                ),
+            )
 
     def forward(self, images: Tensor) -> Tensor:
         return self.net(images)
@@ -124,8 +133,14 @@ class LitClassifier(LightningModule):
         metrics["acc1"](logits.detach(), labels)
         metrics["acc5"](logits.detach(), labels)
         for name, metric in metrics.items():
-            self.log(f"{stage}/{name}", metric, on_step=stage == "train", on_epoch=True,
-                     prog_bar=name != "acc5", batch_size=labels.numel())
+            self.log(
+                f"{stage}/{name}",
+                metric,
+                on_step=stage == "train",
+                on_epoch=True,
+                prog_bar=name != "acc5",
+                batch_size=labels.numel(),
+            )
         return loss
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -148,8 +163,7 @@ class LitClassifier(LightningModule):
         """Two groups: weights with weight decay, biases and norm affine parameters without."""
         decay = [p for p in self.net.parameters() if p.ndim > 1]
         no_decay = [p for p in self.net.parameters() if p.ndim <= 1]
-        return [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        return [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -183,10 +197,16 @@ class LitClassifier(LightningModule):
         resumed, steps = self._resumed_schedule_steps, self._schedule_steps
         if resumed is None or steps is None or resumed == steps:
             return
-        what = (f"--ckpt_path resumes a {self.hparams.schedule} schedule built for {resumed} optimizer steps into a "
-                f"fit of {steps} (its max_epochs or max_steps differ from the interrupted fit's)")
+        what = (
+            f"--ckpt_path resumes a {self.hparams.schedule} schedule built for {resumed} optimizer steps into a "
+            f"fit of {steps} (its max_epochs or max_steps differ from the interrupted fit's)"
+        )
         if self.hparams.schedule == "onecycle":
-            raise OptionError(f"{what}: torch's OneCycleLR cannot change its length. Resume with the interrupted "
-                              "fit's --trainer.max_epochs / --trainer.max_steps, or start a new fit without --ckpt_path.")
-        rank_zero_warn(f"{what}: the schedule is rebuilt for {steps} steps, so from step {self.global_step} on its "
-                       "learning rate does not continue the interrupted fit's curve.")
+            raise OptionError(
+                f"{what}: torch's OneCycleLR cannot change its length. Resume with the interrupted "
+                "fit's --trainer.max_epochs / --trainer.max_steps, or start a new fit without --ckpt_path."
+            )
+        rank_zero_warn(
+            f"{what}: the schedule is rebuilt for {steps} steps, so from step {self.global_step} on its "
+            "learning rate does not continue the interrupted fit's curve."
+        )

@@ -8,7 +8,8 @@ ResNet). :func:`build_net` maps the names used in configs to constructors.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,15 +33,18 @@ class TemplateNet(nn.Module):
     def __init__(self, num_classes: int = 100, dropout: float = 0.25) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 32, kernel_size=3), nn.ReLU(inplace=True),
-            nn.Conv2d(32, 32, kernel_size=3), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 32, kernel_size=3),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(32, 32, kernel_size=3),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
             nn.Dropout(dropout),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
             nn.Linear(32 * 14 * 14, 128),
-            nn.BatchNorm1d(128), nn.ReLU(inplace=True),
+            nn.BatchNorm1d(128),
+            nn.ReLU(inplace=True),
             nn.Linear(128, num_classes),
         )
 
@@ -92,8 +96,9 @@ class CifarResNet18(nn.Module):
         stages, in_channels = [], base
         for i, stride in enumerate((1, 2, 2, 2)):
             out_channels = base * 2**i
-            stages.append(nn.Sequential(BasicBlock(in_channels, out_channels, stride),
-                                        BasicBlock(out_channels, out_channels)))
+            stages.append(
+                nn.Sequential(BasicBlock(in_channels, out_channels, stride), BasicBlock(out_channels, out_channels))
+            )
             in_channels = out_channels
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -115,6 +120,8 @@ def build_net(name: str, num_classes: int = 100, **kwargs: Any) -> nn.Module:
     accepted = [arg for arg in inspect.signature(NETS[name]).parameters if arg != "num_classes"]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        raise OptionError(f"model.net_kwargs {kwargs}: net {name!r} takes no {', '.join(map(repr, unknown))}; "
-                          f"it takes {accepted}, e.g. --model.net_kwargs='{{\"{accepted[0]}\": ...}}'.")
+        raise OptionError(
+            f"model.net_kwargs {kwargs}: net {name!r} takes no {', '.join(map(repr, unknown))}; "
+            f"it takes {accepted}, e.g. --model.net_kwargs='{{\"{accepted[0]}\": ...}}'."
+        )
     return NETS[name](num_classes=num_classes, **kwargs)

@@ -13,7 +13,6 @@ config) is the user's and stays.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from jsonargparse import Namespace
 
@@ -39,7 +38,7 @@ def _last_checkpoints(save_dir: str, name: str) -> list[Path]:
     return list(Path(save_dir, name).glob("version_*/checkpoints/last*.ckpt"))
 
 
-def resume_last_version(trainer: Namespace, ckpt_path: object) -> Optional[str]:
+def resume_last_version(trainer: Namespace, ckpt_path: object) -> str | None:
     """For ``fit --ckpt_path=last``: pin the TensorBoard logger to the version folder holding the newest
     ``last*.ckpt``, so Lightning's ``"last"`` lookup (in that logger's ``checkpoints/``) finds it and the
     logs go on in the same folder. Returns the pinned version, ``None`` when there is nothing to resume
@@ -51,8 +50,9 @@ def resume_last_version(trainer: Namespace, ckpt_path: object) -> Optional[str]:
         init_args = logger.get("init_args") if isinstance(logger, Namespace) else None
         if not isinstance(init_args, Namespace) or init_args.get("version") is not None:
             continue
-        found = _last_checkpoints(str(init_args.get("save_dir") or DEFAULT_SAVE_DIR),
-                                  str(init_args.get("name") or "lightning_logs"))
+        found = _last_checkpoints(
+            str(init_args.get("save_dir") or DEFAULT_SAVE_DIR), str(init_args.get("name") or "lightning_logs")
+        )
         if found:
             init_args.version = max(found, key=lambda path: path.stat().st_mtime).parents[1].name
             return init_args.version

@@ -41,8 +41,16 @@ _MARKER = "SYNTHETIC.json"
 _FORMAT_VERSION = 1
 # What reading a damaged pickle or JSON file raises: truncation gives UnpicklingError or EOFError,
 # flipped bytes anything from UnicodeDecodeError (a ValueError) to MemoryError.
-_READ_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
-               MemoryError)
+_READ_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    MemoryError,
+)
 
 
 def _class_templates(rng: np.random.Generator, grid: int = 4) -> np.ndarray:
@@ -106,8 +114,13 @@ def _regenerate_command(folder: Path) -> str:
     command = f"rm -r {folder} && python -m lit_cifar.synthetic --root {folder.parent}"
     try:
         config = json.loads((folder / _MARKER).read_text())
-        flags = {"--train-size": config["train_size"], "--test-size": config["test_size"], "--seed": config["seed"],
-                 "--noise-std": config["noise_std"], "--max-distractor": config["max_distractor"]}
+        flags = {
+            "--train-size": config["train_size"],
+            "--test-size": config["test_size"],
+            "--seed": config["seed"],
+            "--noise-std": config["noise_std"],
+            "--max-distractor": config["max_distractor"],
+        }
     except (OSError, *_READ_ERRORS):  # the marker is the damaged file (or gone): settings unknown
         return command + " (add the --train-size/--test-size/--seed it was written with)"
     return command + "".join(f" {flag} {value}" for flag, value in flags.items())
@@ -159,8 +172,14 @@ def write_synthetic_cifar100(
             (for example the real CIFAR-100); it is never overwritten.
     """
     _check_args(train_size, test_size, noise_std, max_distractor)
-    config = {"format_version": _FORMAT_VERSION, "train_size": train_size, "test_size": test_size,
-              "seed": seed, "noise_std": float(noise_std), "max_distractor": float(max_distractor)}
+    config = {
+        "format_version": _FORMAT_VERSION,
+        "train_size": train_size,
+        "test_size": test_size,
+        "seed": seed,
+        "noise_std": float(noise_std),
+        "max_distractor": float(max_distractor),
+    }
     target = Path(root) / CIFAR100.base_folder
     if target.exists():
         if not is_synthetic(target):
@@ -179,8 +198,11 @@ def write_synthetic_cifar100(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".synthetic-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp creates 0700; the data folder should read like any other
-    for name, payload in (("train", _split_pickle(*train, "train")), ("test", _split_pickle(*test, "test")),
-                          ("meta", _meta_pickle())):
+    for name, payload in (
+        ("train", _split_pickle(*train, "train")),
+        ("test", _split_pickle(*test, "test")),
+        ("meta", _meta_pickle()),
+    ):
         with open(staging / name, "wb") as f:
             pickle.dump(payload, f, protocol=2)  # the protocol of the official files
     (staging / _MARKER).write_text(json.dumps(config, indent=2) + "\n")
@@ -250,8 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--noise-std", type=float, default=60.0)
     parser.add_argument("--max-distractor", type=float, default=0.6)
     args = parser.parse_args(argv)
-    folder = write_synthetic_cifar100(args.root, args.train_size, args.test_size, args.seed, args.noise_std,
-                                      args.max_distractor)
+    folder = write_synthetic_cifar100(
+        args.root, args.train_size, args.test_size, args.seed, args.noise_std, args.max_distractor
+    )
     print(f"wrote synthetic CIFAR-100 ({args.train_size} train / {args.test_size} test) to {folder}")
 
 

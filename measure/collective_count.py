@@ -53,9 +53,10 @@ is wrapped or patched, and no collective is added.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,21 +68,41 @@ from parallel.host_reduce import WORKER_LABEL, parse_launch_label
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
-SOURCES = ("lightning_sigterm", "syncbn_forward", "syncbn_backward", "buffer_broadcast", "grad_buckets",
-           "ddp_grad_buckets", "ddp_buffers", "ddp_bucket_rebuild", "other")
+SOURCES = (
+    "lightning_sigterm",
+    "syncbn_forward",
+    "syncbn_backward",
+    "buffer_broadcast",
+    "grad_buckets",
+    "ddp_grad_buckets",
+    "ddp_buffers",
+    "ddp_bucket_rebuild",
+    "other",
+)
 MARKER = "collective_count::on_train_batch_start"  # recorded by the callback at on_train_batch_start
 # c10d op (without "c10d::") -> (kind, index of the argument holding this rank's payload).
 _OPS = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0),
-    "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
-    "allgather_coalesced_": ("all_gather", 1), "allgather_into_tensor_coalesced_": ("all_gather", 1),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_": ("all_gather", 1),
+    "allgather_coalesced_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
-    "gather_": ("gather", 1), "gather_into_tensor_": ("gather", 1), "scatter_": ("scatter", 0),
-    "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
-    "barrier": ("barrier", None), "monitored_barrier_": ("barrier", None),
+    "alltoall_": ("all_to_all", 1),
+    "alltoall_base_": ("all_to_all", 1),
+    "gather_": ("gather", 1),
+    "gather_into_tensor_": ("gather", 1),
+    "scatter_": ("scatter", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
+    "barrier": ("barrier", None),
+    "monitored_barrier_": ("barrier", None),
 }
 _SYNCBN_FORWARD = {"_SyncBatchNormFunction", "SyncBatchNorm"}
 _SYNCBN_BACKWARD = {"_SyncBatchNormFunctionBackward", "SyncBatchNormBackward"}
@@ -123,8 +144,13 @@ class Window:
         return totals
 
     def to_dict(self) -> dict[str, Any]:  # JSON-ready
-        return {"epoch": self.epoch, "batch_idx": self.batch_idx, "counts": self.counts(),
-                "bytes": self.bytes(), "collectives": [asdict(c) for c in self.collectives]}
+        return {
+            "epoch": self.epoch,
+            "batch_idx": self.batch_idx,
+            "counts": self.counts(),
+            "bytes": self.bytes(),
+            "collectives": [asdict(c) for c in self.collectives],
+        }
 
 
 @dataclass(frozen=True)
@@ -186,8 +212,9 @@ def _collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: b
     return Collective(op, kind, source, size, shapes, dtype, root, before_batch)
 
 
-def _shared_memory_collective(label: tuple[str, int], ancestors: list[str], hints: _Hints,
-                              before_batch: bool) -> Collective:
+def _shared_memory_collective(
+    label: tuple[str, int], ancestors: list[str], hints: _Hints, before_batch: bool
+) -> Collective:
     """A launch of :class:`parallel.host_reduce.SharedMemoryAllReduce`: one all-reduce of the buffer its
     ``label`` (:func:`parallel.host_reduce.parse_launch_label`) names."""
     dtype, numel = label
@@ -205,8 +232,10 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
     """The collectives recorded by ``prof`` (``record_shapes=True``) in issue order, attributed."""
     tree = getattr(prof.profiler.kineto_results, "experimental_event_tree", None)
     if tree is None:
-        raise RuntimeError(f"torch {torch.__version__} has no profiler event tree; collective counting "
-                           "needs torch >= 2.1 (tested with 2.14).")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no profiler event tree; collective counting "
+            "needs torch >= 2.1 (tested with 2.14)."
+        )
     hints, found, marker_ns = _Hints.from_model(model), [], None
     stack = [(root, []) for root in reversed(tree())]
     while stack:  # depth-first, children in order; a collective's own children are not visited
@@ -224,8 +253,11 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
     collectives = []
     for start, event, ancestors, label in found:
         before = marker_ns is not None and start < marker_ns
-        collectives.append(_shared_memory_collective(label, ancestors, hints, before) if label
-                           else _collective(event, ancestors, hints, before))
+        collectives.append(
+            _shared_memory_collective(label, ancestors, hints, before)
+            if label
+            else _collective(event, ancestors, hints, before)
+        )
     sigterm = [i for i, c in enumerate(collectives) if _is_sigterm_candidate(c)]
     if sigterm:  # rule 6: the last candidate
         collectives[sigterm[-1]] = replace(collectives[sigterm[-1]], source="lightning_sigterm")

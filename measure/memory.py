@@ -19,7 +19,8 @@ import ctypes
 import math
 import os
 import threading
-from typing import Any, Callable, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -120,15 +121,15 @@ class PeakMemory:
         sample_interval_s: Sampling period of the ``"sample"`` method.
     """
 
-    def __init__(self, device: torch.device, method: CpuMethod = "auto",
-                 sample_interval_s: float = 0.005) -> None:
+    def __init__(self, device: torch.device, method: CpuMethod = "auto", sample_interval_s: float = 0.005) -> None:
         if method not in ("auto", "kernel", "sample"):
             raise ValueError(f"method must be 'auto', 'kernel' or 'sample', got {method!r}")
         if sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {sample_interval_s}")
         if method == "kernel" and not kernel_peak_rss_available():
-            raise ValueError(f"method='kernel' needs a writable {_CLEAR_REFS} (Linux >= 4.0); "
-                             "use method='sample' or 'auto'")
+            raise ValueError(
+                f"method='kernel' needs a writable {_CLEAR_REFS} (Linux >= 4.0); use method='sample' or 'auto'"
+            )
         self._device = device
         if device.type == "cuda":
             self.kind = "cuda_allocator"
@@ -159,8 +160,10 @@ class PeakMemory:
         ``peak_reserved_bytes`` is the CUDA caching allocator's reserved peak and NaN on CPU.
         """
         if self.kind == "cuda_allocator":
-            return {"peak_bytes": float(torch.cuda.max_memory_allocated(self._device)),
-                    "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(self._device))}
+            return {
+                "peak_bytes": float(torch.cuda.max_memory_allocated(self._device)),
+                "peak_reserved_bytes": float(torch.cuda.max_memory_reserved(self._device)),
+            }
         peak = self._sampler.stop() if self._sampler is not None else _read_peak_rss_bytes()
         return {"peak_bytes": float(peak), "peak_reserved_bytes": math.nan}
 

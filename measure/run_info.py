@@ -181,13 +181,13 @@ class Quietness:
         foreign_ok = self.foreign_share is None or self.foreign_share <= self.max_foreign_share
         return self.load_before <= self.threshold and foreign_ok
 
-    def begin(self) -> "Quietness":
+    def begin(self) -> Quietness:
         """Start accounting the CPU time of other processes; returns self."""
         _adopt_orphans()
         self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
         return self
 
-    def finish(self) -> "Quietness":
+    def finish(self) -> Quietness:
         """Record the load after the run and the share of the machine other processes used."""
         self.load_after = os.getloadavg()[0]
         _reap_orphans()
@@ -198,9 +198,15 @@ class Quietness:
         return self
 
     def as_dict(self) -> dict[str, Any]:
-        return {"threshold": self.threshold, "waited_s": self.waited_s, "load_before": self.load_before,
-                "load_after": self.load_after, "foreign_share": self.foreign_share,
-                "max_foreign_share": self.max_foreign_share, "comparable": self.comparable}
+        return {
+            "threshold": self.threshold,
+            "waited_s": self.waited_s,
+            "load_before": self.load_before,
+            "load_after": self.load_after,
+            "foreign_share": self.foreign_share,
+            "max_foreign_share": self.max_foreign_share,
+            "comparable": self.comparable,
+        }
 
 
 def wait_for_quiet(threshold: float | None = None, max_wait_s: float = 300.0, poll_s: float = 5.0) -> Quietness:

@@ -17,13 +17,27 @@ the steps inside each drawn run: the interval then reflects how much whole runs 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["INTERVALS", "SUMMARY_FIELDS", "Estimate", "Samples", "Summary", "difference_ci", "in_runs", "median_ci",
-           "pair_ratio_ci", "paired_ratio_ci", "ratio_ci", "share_ci", "summarize"]
+__all__ = [
+    "INTERVALS",
+    "SUMMARY_FIELDS",
+    "Estimate",
+    "Samples",
+    "Summary",
+    "difference_ci",
+    "in_runs",
+    "median_ci",
+    "pair_ratio_ci",
+    "paired_ratio_ci",
+    "ratio_ci",
+    "share_ci",
+    "summarize",
+]
 
 # Fields of a summary, in a fixed order: the benchmark callback gathers them across ranks as the
 # columns of one tensor, so every rank must produce the same keys in the same order.
@@ -54,8 +68,7 @@ def summarize(values: Sequence[float]) -> Summary:
         when ``values`` is empty, so that ranks without samples still join a gather.
     """
     if not values:
-        return {"median": math.nan, "trimmed_mean": math.nan, "p10": math.nan, "p90": math.nan,
-                "count": 0.0}
+        return {"median": math.nan, "trimmed_mean": math.nan, "p10": math.nan, "p90": math.nan, "count": 0.0}
     ordered = sorted(float(v) for v in values)
     # Drop the lowest and highest 10 % by rank: never empty, unlike a filter on the
     # interpolated percentiles (two samples would leave nothing between them).
@@ -94,13 +107,17 @@ def _as_runs(samples: Samples, name: str) -> list[np.ndarray]:
     nested = [np.ndim(item) > 0 for item in items]
     if any(nested) and not all(nested):
         raise ValueError(f"{name} needs flat values or runs of values, not a mix of both")
-    runs = [np.asarray(item, dtype=float).ravel() for item in items] if all(nested) else [
-        np.asarray([item], dtype=float) for item in items]
+    runs = (
+        [np.asarray(item, dtype=float).ravel() for item in items]
+        if all(nested)
+        else [np.asarray([item], dtype=float) for item in items]
+    )
     return [run for run in runs if run.size]  # a rank or round without samples draws nothing
 
 
-def _draw(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
-          picked: np.ndarray | None = None) -> np.ndarray:
+def _draw(
+    runs: list[np.ndarray], resamples: int, rng: np.random.Generator, picked: np.ndarray | None = None
+) -> np.ndarray:
     """``(resamples, len(runs), longest run)``: each row len(runs) runs drawn with replacement (``picked``:
     the run indices already drawn, one row per resample) and, inside each drawn run, its steps drawn
     with replacement; NaN pads the runs drawn shorter than the longest."""
@@ -119,14 +136,16 @@ def _draw(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
     return drawn
 
 
-def _resample(runs: list[np.ndarray], resamples: int, rng: np.random.Generator,
-              picked: np.ndarray | None = None) -> np.ndarray:
+def _resample(
+    runs: list[np.ndarray], resamples: int, rng: np.random.Generator, picked: np.ndarray | None = None
+) -> np.ndarray:
     """:func:`_draw`'s resamples, each row's runs side by side: one row of values per resample."""
     return _draw(runs, resamples, rng, picked).reshape(resamples, -1)
 
 
-def _bootstrap(statistic: Callable[..., Any], samples: Sequence[list[np.ndarray]], resamples: int,
-               seed: int) -> np.ndarray:
+def _bootstrap(
+    statistic: Callable[..., Any], samples: Sequence[list[np.ndarray]], resamples: int, seed: int
+) -> np.ndarray:
     """``statistic`` of ``resamples`` two-level resamples of every sample set, all at once."""
     rng = np.random.default_rng(seed)
     return np.asarray(statistic(*[_resample(runs, resamples, rng) for runs in samples]))
@@ -146,8 +165,14 @@ def median_ci(samples: Samples, resamples: int = 2000, seed: int = 0) -> Estimat
     return Estimate(float(np.median(values)), float(low), float(high), int(values.size))
 
 
-def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], Any], first: Samples,
-                   second: Samples, resamples: int, seed: int) -> Estimate:
+def _two_sample_ci(
+    name: str,
+    statistic: Callable[[np.ndarray, np.ndarray], Any],
+    first: Samples,
+    second: Samples,
+    resamples: int,
+    seed: int,
+) -> Estimate:
     a_runs, b_runs = _as_runs(first, name), _as_runs(second, name)
     a, b = (np.concatenate(runs) if runs else np.empty(0) for runs in (a_runs, b_runs))
     if a.size == 0 or b.size == 0:
@@ -156,23 +181,26 @@ def _two_sample_ci(name: str, statistic: Callable[[np.ndarray, np.ndarray], Any]
     return Estimate(float(statistic(a, b)), float(low), float(high), int(min(a.size, b.size)))
 
 
-def ratio_ci(numerator: Samples, denominator: Samples, resamples: int = 2000,
-             seed: int = 0) -> Estimate:
+def ratio_ci(numerator: Samples, denominator: Samples, resamples: int = 2000, seed: int = 0) -> Estimate:
     """``median(numerator) / median(denominator)`` with a percentile-bootstrap 95 % interval."""
     return _two_sample_ci("ratio_ci", lambda x, y: _median(x) / _median(y), numerator, denominator, resamples, seed)
 
 
-def _paired_runs(name: str, numerator: Sequence[Sequence[float]],
-                 denominator: Sequence[Sequence[float]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _paired_runs(
+    name: str, numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     a_runs, b_runs = ([np.asarray(run, dtype=float).ravel() for run in side] for side in (numerator, denominator))
     if len(a_runs) != len(b_runs) or not a_runs or any(run.size == 0 for run in a_runs + b_runs):
-        raise ValueError(f"{name} needs the same number of non-empty runs on both sides (one per pair), "
-                         f"got {[run.size for run in a_runs]} and {[run.size for run in b_runs]} samples per run")
+        raise ValueError(
+            f"{name} needs the same number of non-empty runs on both sides (one per pair), "
+            f"got {[run.size for run in a_runs]} and {[run.size for run in b_runs]} samples per run"
+        )
     return a_runs, b_runs
 
 
-def paired_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]],
-                    resamples: int = 2000, seed: int = 0) -> Estimate:
+def paired_ratio_ci(
+    numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0
+) -> Estimate:
     """``median(numerator) / median(denominator)`` of paired runs: run ``i`` of both sides ran side by side
     (one pair, seconds apart), so every resample draws the same pairs for both sides, then the steps
     inside each drawn run. Drift the two runs of a pair share (the host slowing down for a minute)
@@ -188,8 +216,9 @@ def paired_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[
     return Estimate(float(np.median(a) / np.median(b)), float(low), float(high), int(min(a.size, b.size)))
 
 
-def pair_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]],
-                  resamples: int = 2000, seed: int = 0) -> Estimate:
+def pair_ratio_ci(
+    numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0
+) -> Estimate:
     """The geometric mean over pairs of each pair's ``median(numerator run) / median(denominator run)``,
     with a bootstrap 95 % interval drawing the same pairs on both sides, then the steps inside each
     drawn run. A pair's ratio is taken before pairs are combined, so the host's speed in the minute
@@ -201,12 +230,11 @@ def pair_ratio_ci(numerator: Sequence[Sequence[float]], denominator: Sequence[Se
     pairs = rng.integers(0, len(a_runs), (resamples, len(a_runs)))
     a, b = (_median(_draw(runs, resamples, rng, pairs)) for runs in (a_runs, b_runs))
     low, high = np.exp(np.percentile(np.mean(np.log(a / b), axis=-1), [2.5, 97.5]))
-    log_ratios = [np.log(np.median(x) / np.median(y)) for x, y in zip(a_runs, b_runs)]
+    log_ratios = [np.log(np.median(x) / np.median(y)) for x, y in zip(a_runs, b_runs, strict=True)]
     return Estimate(float(np.exp(np.mean(log_ratios))), float(low), float(high), len(a_runs))
 
 
-def difference_ci(minuend: Samples, subtrahend: Samples, resamples: int = 2000,
-                  seed: int = 0) -> Estimate:
+def difference_ci(minuend: Samples, subtrahend: Samples, resamples: int = 2000, seed: int = 0) -> Estimate:
     """``median(minuend) - median(subtrahend)`` with a percentile-bootstrap 95 % interval."""
     return _two_sample_ci("difference_ci", lambda x, y: _median(x) - _median(y), minuend, subtrahend, resamples, seed)
 

@@ -27,8 +27,9 @@ overlap of communication with backward. On CPU, ``time.perf_counter`` already me
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -18,8 +18,8 @@ starts early in backward. Pure torch; no Lightning import.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,8 +93,13 @@ class Bucket:
         scaled = self.status.float() * world_size
         return tuple(int(v) for v in scaled.round().tolist())
 
-    def start_all_reduce(self, group: dist.ProcessGroup | None, world_size: int,
-                         wire_dtype: torch.dtype | None = None, host: SharedMemoryAllReduce | None = None) -> None:
+    def start_all_reduce(
+        self,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        wire_dtype: torch.dtype | None = None,
+        host: SharedMemoryAllReduce | None = None,
+    ) -> None:
         """Start the async sum of ``buffer`` / ``world_size`` over ``group``, in ``wire_dtype`` if given;
         through ``host`` when the buffer is shared (``wire_dtype`` is then ``None``: see host_reduce)."""
         # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
@@ -128,9 +133,7 @@ class Bucket:
         self.wire = None
 
 
-def assign_buckets(
-    params: Sequence[torch.Tensor], cap_mb: float, first_cap_mb: float
-) -> list[list[int]]:
+def assign_buckets(params: Sequence[torch.Tensor], cap_mb: float, first_cap_mb: float) -> list[list[int]]:
     """Group parameter indices into buckets of at most about ``cap_mb`` each.
 
     Args:
@@ -160,7 +163,9 @@ def assign_buckets(
 
 
 def build_buckets(
-    params: Sequence[torch.nn.Parameter], groups: list[list[int]], status_slots: int = 0,
+    params: Sequence[torch.nn.Parameter],
+    groups: list[list[int]],
+    status_slots: int = 0,
     host: SharedMemoryAllReduce | None = None,
 ) -> list[Bucket]:
     """Allocate one zeroed flat buffer per group; carve the parameters' gradient views from it.
@@ -170,13 +175,20 @@ def build_buckets(
     """
     members_of = [[params[i] for i in group] for group in groups]
     slots_of = [status_slots if index == len(groups) - 1 else 0 for index in range(len(groups))]
-    sizes = [(sum(p.numel() for p in members) + len(members) + slots, members[0].dtype)
-             for members, slots in zip(members_of, slots_of)]
+    sizes = [
+        (sum(p.numel() for p in members) + len(members) + slots, members[0].dtype)
+        for members, slots in zip(members_of, slots_of, strict=True)
+    ]
     shared = host.allocate(sizes) if host is not None and groups else [None] * len(groups)
     buckets = []
-    for bucket_index, (members, slots, (size, dtype), every_rank) in enumerate(zip(members_of, slots_of, sizes, shared)):
-        buffer = (every_rank[host.rank] if every_rank is not None  # only with a host
-                  else torch.zeros(size, dtype=dtype, device=members[0].device))
+    for bucket_index, (members, slots, (size, dtype), every_rank) in enumerate(
+        zip(members_of, slots_of, sizes, shared, strict=True)
+    ):
+        buffer = (
+            every_rank[host.rank]
+            if every_rank is not None  # only with a host
+            else torch.zeros(size, dtype=dtype, device=members[0].device)
+        )
         views, offset = [], 0
         for p in members:
             views.append(buffer[offset : offset + p.numel()].view_as(p))
@@ -195,6 +207,8 @@ def describe_buckets(buckets: Sequence[Bucket], module: torch.nn.Module | None =
     for b in buckets:
         mb = b.buffer.numel() * b.buffer.element_size() / _MB
         members = ", ".join(names.get(id(p), "?") for p in b.params)
-        lines.append(f"  bucket {b.index}: {mb:.3f} MiB {b.buffer.dtype} on {b.buffer.device}, "
-                     f"{len(b.params)} param(s): {members}")
+        lines.append(
+            f"  bucket {b.index}: {mb:.3f} MiB {b.buffer.dtype} on {b.buffer.device}, "
+            f"{len(b.params)} param(s): {members}"
+        )
     return "\n".join(lines)

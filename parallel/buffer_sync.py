@@ -43,8 +43,11 @@ class BufferBroadcast:
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         self._group = process_group
-        self._layers = [layer for layer in module.modules()
-                        if not _synced_over(layer, process_group) and any(True for _ in layer.buffers(recurse=False))]
+        self._layers = [
+            layer
+            for layer in module.modules()
+            if not _synced_over(layer, process_group) and any(True for _ in layer.buffers(recurse=False))
+        ]
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         self._stale = False  # a forward may have changed buffers since the last broadcast
 

@@ -29,7 +29,7 @@ def broadcast_module_state(module: nn.Module, process_group: dist.ProcessGroup |
     for tensors in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.broadcast(flat, src=src, group=process_group)
-        for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+        for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             tensor.copy_(chunk.view_as(tensor))
 
 

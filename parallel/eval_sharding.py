@@ -37,16 +37,24 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence, get_args
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 __all__ = [
-    "ShardLayout", "ShardPlan", "ShardSampler", "broadcast_count", "limited_batches", "make_shards",
-    "scatter_shard_indices", "shard_lengths", "shard_sizes",
+    "ShardLayout",
+    "ShardPlan",
+    "ShardSampler",
+    "broadcast_count",
+    "limited_batches",
+    "make_shards",
+    "scatter_shard_indices",
+    "shard_lengths",
+    "shard_sizes",
 ]
 
 
@@ -82,7 +90,7 @@ def make_shards(order: Sequence[int], world_size: int, layout: ShardLayout = "co
     lengths = shard_lengths(len(order), world_size, layout)
     if layout == "contiguous":
         bounds = [0, *itertools.accumulate(lengths)]
-        return [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [list(order[a:b]) for a, b in itertools.pairwise(bounds)]
     # DistributedSampler pads with the head of the order (repeatedly if world_size > len(order)).
     padded = list(itertools.islice(itertools.cycle(order), lengths[0] * world_size)) if order else []
     return [padded[rank::world_size] for rank in range(world_size)]
@@ -113,8 +121,9 @@ class ShardPlan:
     contiguous_batches: tuple[int, ...]
 
     @classmethod
-    def decide(cls, num_samples: int, world_size: int, *, batch_size: int, drop_last: bool = False,
-               limit: int | float = 1.0) -> ShardPlan:
+    def decide(
+        cls, num_samples: int, world_size: int, *, batch_size: int, drop_last: bool = False, limit: int | float = 1.0
+    ) -> ShardPlan:
         """The plan every rank computes alike from the count, the batching and the batch limit."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -134,8 +143,9 @@ class ShardPlan:
         return make_shards(order, self.world_size, self.layout)
 
 
-def broadcast_count(count: int | None, *, src: int = 0, group: dist.ProcessGroup | None = None,
-                    device: torch.device | str = "cpu") -> int:
+def broadcast_count(
+    count: int | None, *, src: int = 0, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> int:
     """Rank ``src``'s ``count`` on every rank of ``group`` (one 1-element broadcast)."""
     is_src = dist.get_rank() == src
     if is_src and (count is None or count < 0):
@@ -170,14 +180,16 @@ def scatter_shard_indices(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     is_src = dist.get_rank() == src
     if is_src and (shards is None or [len(s) for s in shards] != list(lengths)):
-        raise ValueError(f"rank {src} needs one index list per rank with lengths {list(lengths)}, "
-                         f"got {None if shards is None else [len(s) for s in shards]}")
+        raise ValueError(
+            f"rank {src} needs one index list per rank with lengths {list(lengths)}, "
+            f"got {None if shards is None else [len(s) for s in shards]}"
+        )
     # Row layout: [real length, indices..., zero padding]: scatter needs equal-sized tensors.
     out = torch.empty(max(lengths, default=0) + 1, dtype=torch.int64, device=device)
     rows = None
     if is_src:
         rows = list(torch.zeros(world_size, out.numel(), dtype=torch.int64, device=device).unbind(0))
-        for row, shard in zip(rows, shards):
+        for row, shard in zip(rows, shards, strict=True):
             row[0] = len(shard)
             row[1 : len(shard) + 1] = torch.as_tensor(list(shard), dtype=torch.int64)
     dist.scatter(out, rows, src=src, group=group)

@@ -43,9 +43,10 @@ every rank's value (:attr:`~SyncedDataParallel.rank_status`) without a collectiv
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,13 +114,27 @@ class SyncedDataParallel(nn.Module):
         self._backend = dist.get_backend(process_group) if self._world_size > 1 else "gloo"
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
-        self._buffer_sync = (BufferBroadcast(module, process_group)
-                             if broadcast_buffers and self._world_size > 1 else None)
-        self._host = None if self._world_size == 1 else open_shared_memory_all_reduce(
-            grad_transport, process_group, [p.device for p in module.parameters()], grad_compression, timeout)
+        self._buffer_sync = (
+            BufferBroadcast(module, process_group) if broadcast_buffers and self._world_size > 1 else None
+        )
+        self._host = (
+            None
+            if self._world_size == 1
+            else open_shared_memory_all_reduce(
+                grad_transport, process_group, [p.device for p in module.parameters()], grad_compression, timeout
+            )
+        )
         rank = dist.get_rank(process_group) if self._world_size > 1 else 0
-        self._reducer = GradReducer(module, self._config, process_group, self._world_size, rank, self._backend,
-                                    self._host, status_slots=self._world_size if carry_rank_status else 0)
+        self._reducer = GradReducer(
+            module,
+            self._config,
+            process_group,
+            self._world_size,
+            rank,
+            self._backend,
+            self._host,
+            status_slots=self._world_size if carry_rank_status else 0,
+        )
 
     @property
     def mode(self) -> str:
@@ -214,10 +229,12 @@ class SyncedDataParallel(nn.Module):
 def _refuse_uninitialized(module: nn.Module) -> None:
     # A lazy module's shapes exist only after a forward: there is nothing to broadcast or bucket yet
     # (torch DDP refuses such a module too). Every rank holds the same module, so every rank raises.
-    lazy = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()]
-            if nn.parameter.is_lazy(tensor)]
+    lazy = [
+        name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if nn.parameter.is_lazy(tensor)
+    ]
     if lazy:
         raise ValueError(
             f"SyncedDataParallel: {', '.join(lazy)} not initialised yet (lazy module). Run one forward pass "
             f"on a sample batch before wrapping the module (under Lightning: at the end of the "
-            f"LightningModule's __init__ or in configure_model).")
+            f"LightningModule's __init__ or in configure_model)."
+        )

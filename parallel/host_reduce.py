@@ -37,8 +37,8 @@ import re
 import threading
 import uuid
 import weakref
-from datetime import timedelta
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -78,8 +78,9 @@ def _local_problem(devices: Sequence[torch.device], grad_compression: str | None
     return None
 
 
-def _problem(process_group: dist.ProcessGroup | None, devices: Sequence[torch.device],
-             grad_compression: str | None) -> str | None:
+def _problem(
+    process_group: dist.ProcessGroup | None, devices: Sequence[torch.device], grad_compression: str | None
+) -> str | None:
     """Why the group cannot sum through shared memory (the same answer on every rank), or ``None``.
     Collective over the default group: one ``broadcast_object_list``, one ``all_gather_object``."""
     if process_group not in (None, dist.group.WORLD):
@@ -98,14 +99,21 @@ def _problem(process_group: dist.ProcessGroup | None, devices: Sequence[torch.de
     if rank == 0 and own is None:
         os.unlink(os.path.join(SHM_DIR, name[0]))
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
-    problems += [f"rank {r} does not see rank 0's {SHM_DIR} (another host or container)"
-                 for r, (p, sees) in enumerate(every) if not (p or sees or every[0][0])]
+    problems += [
+        f"rank {r} does not see rank 0's {SHM_DIR} (another host or container)"
+        for r, (p, sees) in enumerate(every)
+        if not (p or sees or every[0][0])
+    ]
     return "; ".join(problems) or None
 
 
-def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGroup | None,
-                                  devices: Sequence[torch.device], grad_compression: str | None,
-                                  timeout: timedelta | None = None) -> SharedMemoryAllReduce | None:
+def open_shared_memory_all_reduce(
+    transport: str,
+    process_group: dist.ProcessGroup | None,
+    devices: Sequence[torch.device],
+    grad_compression: str | None,
+    timeout: timedelta | None = None,
+) -> SharedMemoryAllReduce | None:
     """A :class:`SharedMemoryAllReduce` when ``transport`` asks for it and it applies, else ``None``.
 
     Every rank of the group calls this at the same point (it communicates). ``"shared_memory"``
@@ -119,8 +127,10 @@ def open_shared_memory_all_reduce(transport: str, process_group: dist.ProcessGro
     if problem is None:
         return SharedMemoryAllReduce(timeout)
     if transport == "shared_memory":
-        raise ValueError(f"grad_transport='shared_memory' cannot apply: {problem}. Use grad_transport='auto' "
-                         "(falls back to the process group) or 'process_group'.")
+        raise ValueError(
+            f"grad_transport='shared_memory' cannot apply: {problem}. Use grad_transport='auto' "
+            "(falls back to the process group) or 'process_group'."
+        )
     log.info("gradient buckets all-reduce through the process group: %s", problem)
     return None
 
@@ -153,13 +163,21 @@ class SharedMemoryAllReduce:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # A daemon thread: a process that exits while a peer is gone must not wait for it. It holds
         # no reference to this object, so dropping it (without close()) ends the thread too.
-        self._worker = threading.Thread(target=_serve, args=(self._jobs, self._group, self._rank, self._world_size),
-                                        name="shm-all-reduce", daemon=True)
+        self._worker = threading.Thread(
+            target=_serve,
+            args=(self._jobs, self._group, self._rank, self._world_size),
+            name="shm-all-reduce",
+            daemon=True,
+        )
         self._worker.start()
         self._stop = weakref.finalize(self, self._jobs.put, None)
         self._barrier_kind, self._barrier = self._open_barrier([identity for _, identity in every], timeout)
-        log.debug("SharedMemoryAllReduce: %d ranks on this host, files %s-*, %s barriers", self._world_size,
-                  self._prefix, self.barrier_kind)
+        log.debug(
+            "SharedMemoryAllReduce: %d ranks on this host, files %s-*, %s barriers",
+            self._world_size,
+            self._prefix,
+            self.barrier_kind,
+        )
 
     def _open_barrier(self, peers: list[ProcessIdentity], timeout: timedelta | None) -> tuple[str, Callable[[], Any]]:
         """``("futex", wait)`` of a :class:`FutexBarrier` where every rank can use one, else ``("gloo", the
@@ -198,8 +216,10 @@ class SharedMemoryAllReduce:
         """Start summing every rank's ``buffers[k]`` into each of them; the future's ``wait()`` waits
         (and raises what the worker met, e.g. a peer that died)."""
         mine = buffers[self._rank]
-        return self._submit(functools.partial(_sum_in_place, buffers, self._barrier),
-                            label=f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])")
+        return self._submit(
+            functools.partial(_sum_in_place, buffers, self._barrier),
+            label=f"{_LAUNCH}({str(mine.dtype).removeprefix('torch.')}[{mine.numel()}])",
+        )
 
     def _submit(self, job: Any, label: str | None) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
@@ -227,8 +247,9 @@ def _serve(jobs: queue.SimpleQueue, group: dist.ProcessGroup, rank: int, world_s
             future.set_result(result)
 
 
-def _allocate(path: str, sizes: Sequence[tuple[int, torch.dtype]], group: dist.ProcessGroup, rank: int,
-              world_size: int) -> list[list[torch.Tensor]]:
+def _allocate(
+    path: str, sizes: Sequence[tuple[int, torch.dtype]], group: dist.ProcessGroup, rank: int, world_size: int
+) -> list[list[torch.Tensor]]:
     offsets, total = [], 0
     for numel, dtype in sizes:
         offsets.append(total)
@@ -244,15 +265,18 @@ def _allocate(path: str, sizes: Sequence[tuple[int, torch.dtype]], group: dist.P
         dist.barrier(group=group)  # every rank mapped every file: the names can go
     finally:  # also when a peer failed: nothing stays in /dev/shm
         os.unlink(path % rank)
-    return [[arena[offset: offset + numel * dtype.itemsize].view(dtype) for arena in arenas]
-            for offset, (numel, dtype) in zip(offsets, sizes)]
+    return [
+        [arena[offset : offset + numel * dtype.itemsize].view(dtype) for arena in arenas]
+        for offset, (numel, dtype) in zip(offsets, sizes, strict=True)
+    ]
 
 
-def _sum_in_place(buffers: Sequence[torch.Tensor], barrier: Callable[[], Any], group: dist.ProcessGroup, rank: int,
-                  world_size: int) -> None:
+def _sum_in_place(
+    buffers: Sequence[torch.Tensor], barrier: Callable[[], Any], group: dist.ProcessGroup, rank: int, world_size: int
+) -> None:
     numel = buffers[rank].numel()
     bounds = [k * numel // world_size for k in range(world_size + 1)]
-    chunks = [[buffer[bounds[k]: bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
+    chunks = [[buffer[bounds[k] : bounds[k + 1]] for buffer in buffers] for k in range(world_size)]
     barrier()  # every rank's contribution is in place
     own = chunks[rank][rank]
     for k in range(world_size):  # the same order on every run: bitwise repeatable

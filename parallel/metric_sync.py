@@ -36,8 +36,9 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -122,8 +123,9 @@ class MetricSync:
 
     def _track(self, metric: Metric) -> None:
         kinds = merge_kinds(metric)
-        tracked = _Tracked(metric, {name: getattr(metric, name) for name in _SAVED_ATTRIBUTES}, kinds,
-                           metric.update_count)
+        tracked = _Tracked(
+            metric, {name: getattr(metric, name) for name in _SAVED_ATTRIBUTES}, kinds, metric.update_count
+        )
         metric.distributed_available_fn = self._is_ready
         metric.dist_sync_on_step = False
         metric.compute_with_cache = False
@@ -131,8 +133,11 @@ class MetricSync:
         own = [name for name, kind in kinds.items() if kind == "own"]
         if own and type(metric).__name__ not in _told_own:
             _told_own.add(type(metric).__name__)
-            log.debug("%s: states %s keep torchmetrics' own gather (their reductions cannot be merged exactly)",
-                      type(metric).__name__, own)
+            log.debug(
+                "%s: states %s keep torchmetrics' own gather (their reductions cannot be merged exactly)",
+                type(metric).__name__,
+                own,
+            )
         self._tracked.append(tracked)
 
     def _is_ready(self) -> bool:
@@ -163,20 +168,26 @@ class MetricSync:
         if not tracked.calls:
             if tracked.merged_count != tracked.metric.update_count:
                 self._merge()
-            tracked.calls = [name for name, kind in tracked.kinds.items()
-                             for _ in range(len(getattr(tracked.metric, name)) if kind == "list" else 1)]
+            tracked.calls = [
+                name
+                for name, kind in tracked.kinds.items()
+                for _ in range(len(getattr(tracked.metric, name)) if kind == "list" else 1)
+            ]
             tracked.calls.reverse()  # popped from the end
         name = tracked.calls.pop()
         kind, merged = tracked.kinds[name], tracked.merged.get(name)
         if kind == "own" or merged is None:  # not merged: no rank added to it during this run
             from torchmetrics.utilities.distributed import gather_all_tensors
+
             return gather_all_tensors(tensor, group=group)
         if kind == "list":  # every rank's elements on the state's last call, none on the others
             last = name not in tracked.calls  # (torchmetrics flattens the answers into one list)
             return [t.to(tensor.device) for t in merged] if last else []
         if kind != "cat" and merged.shape != tensor.shape:
-            raise RuntimeError(f"internal: {type(tracked.metric).__name__}.{name} served out of order "
-                               f"({tuple(merged.shape)} for {tuple(tensor.shape)})")
+            raise RuntimeError(
+                f"internal: {type(tracked.metric).__name__}.{name} served out of order "
+                f"({tuple(merged.shape)} for {tuple(tensor.shape)})"
+            )
         return [merged.to(tensor.device)]
 
     def _merge(self) -> None:
@@ -187,8 +198,9 @@ class MetricSync:
         self._reduce([s for s in states if s[2] in ("max", "min")], dist.ReduceOp.MAX, merged)
         self._gather_lists([s for s in states if s[2] in ("cat", "list")], merged)
         for tracked in self._tracked:
-            tracked.merged = {name: merged[(id(tracked), name)] for name in tracked.kinds
-                              if (id(tracked), name) in merged}
+            tracked.merged = {
+                name: merged[(id(tracked), name)] for name in tracked.kinds if (id(tracked), name) in merged
+            }
             tracked.merged_count = tracked.metric.update_count
         self.merges += 1
 
@@ -197,10 +209,16 @@ class MetricSync:
         if not states:
             return
         signs = [-1.0 if kind == "min" else 1.0 for _, _, kind, _ in states]  # min(x) = -max(-x)
-        flat = torch.cat([sign * value.detach().reshape(-1).to(self._device, torch.float64)
-                          for sign, (_, _, _, value) in zip(signs, states)])
+        flat = torch.cat(
+            [
+                sign * value.detach().reshape(-1).to(self._device, torch.float64)
+                for sign, (_, _, _, value) in zip(signs, states, strict=True)
+            ]
+        )
         dist.all_reduce(flat, op=op, group=self._process_group)
-        for sign, chunk, (tracked, name, _, value) in zip(signs, flat.split([s[3].numel() for s in states]), states):
+        for sign, chunk, (tracked, name, _, value) in zip(
+            signs, flat.split([s[3].numel() for s in states]), states, strict=True
+        ):
             merged[(id(tracked), name)] = (sign * chunk).view_as(value).to(value.device, value.dtype)
 
     def _gather_lists(self, states: list, merged: dict) -> None:
@@ -212,18 +230,20 @@ class MetricSync:
         """
         if not states:
             return
-        local = [([dim_zero_cat(value)] if kind == "cat" else list(value)) if value and tracked.updated_this_run
-                 else [] for tracked, _, kind, value in states]
+        local = [
+            ([dim_zero_cat(value)] if kind == "cat" else list(value)) if value and tracked.updated_this_run else []
+            for tracked, _, kind, value in states
+        ]
         longest = [1] * len(states)  # a cat state is one tensor (or none) per rank
         if any(kind == "list" for _, _, kind, _ in states):
             counts = self._exchange_counts([len(parts) for parts in local])
             longest = [max(rank[i] for rank in counts) for i in range(len(states))]
-        flat = [part for parts, n in zip(local, longest) for part in parts + [None] * (n - len(parts))]
+        flat = [part for parts, n in zip(local, longest, strict=True) for part in parts + [None] * (n - len(parts))]
         layouts = exchange_layouts(flat, group=self._process_group, device=self._device)
         gathered = gather_tensors(flat, layouts, group=self._process_group, device=self._device)
         bounds = [0, *itertools.accumulate(longest)]
         for i, (tracked, name, kind, _) in enumerate(states):
-            parts = [t for rank in gathered for t in rank[bounds[i]:bounds[i + 1]] if t is not None]
+            parts = [t for rank in gathered for t in rank[bounds[i] : bounds[i + 1]] if t is not None]
             if parts:
                 merged[(id(tracked), name)] = torch.cat(parts) if kind == "cat" else parts
 

@@ -44,9 +44,17 @@ class GradReducer:
     ``status_slots``: one slot per rank for :attr:`local_status` in the last bucket (0: none).
     """
 
-    def __init__(self, module: nn.Module, config: GradSyncConfig, process_group: dist.ProcessGroup | None,
-                 world_size: int, rank: int, backend: str, host: SharedMemoryAllReduce | None,
-                 status_slots: int = 0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: GradSyncConfig,
+        process_group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
+        backend: str,
+        host: SharedMemoryAllReduce | None,
+        status_slots: int = 0,
+    ) -> None:
         self._module, self._config, self._process_group = module, config, process_group
         self._world_size, self._rank, self._backend, self._host = world_size, rank, backend, host
         self._status_slots = status_slots
@@ -81,16 +89,22 @@ class GradReducer:
         self._sparse = SparseGradSync([p for p in trainable if p in sparse], self._process_group, self._world_size)
         layout = assign_buckets(dense, *self._config.caps(self._backend))
         self._buckets = build_buckets(dense, layout, self._status_slots, self._host)
-        log.debug("GradReducer(mode=%s, world_size=%d): %s", self._config.mode, self._world_size,
-                  describe_buckets(self._buckets, self._module))
+        log.debug(
+            "GradReducer(mode=%s, world_size=%d): %s",
+            self._config.mode,
+            self._world_size,
+            describe_buckets(self._buckets, self._module),
+        )
         # The hooks hold this reducer weakly and name buckets by index: a strong reference from a
         # parameter's (C++) hook back to it is a cycle Python's collector cannot see.
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(_weak_hook(self._on_grad_ready, bucket.index, slot))
             for bucket in self._buckets
             for slot, param in enumerate(bucket.params)
-        ] + [param.register_post_accumulate_grad_hook(_weak_hook(self._on_sparse_grad_ready))
-             for param in self._sparse.params]
+        ] + [
+            param.register_post_accumulate_grad_hook(_weak_hook(self._on_sparse_grad_ready))
+            for param in self._sparse.params
+        ]
 
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
@@ -184,7 +198,7 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         """Put every gradient of ``bucket`` into its buffer and start the all-reduce."""
         bucket.flags.fill_(1)
-        for slot, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+        for slot, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
             if param.grad is None:  # no gradient on this rank: contribute zeros, flag unused
                 view.zero_()
                 bucket.flags[slot] = 0
@@ -209,7 +223,7 @@ class GradReducer:
             return
         # Some local gradient was missing: a parameter no rank used keeps grad=None, one that
         # another rank used takes the average like every other parameter.
-        for param, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+        for param, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist(), strict=True):
             param.grad = view if used > 0 else None
 
 

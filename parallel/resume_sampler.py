@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sized
-from typing import Any, Optional
+from typing import Any
 
 from torch.utils.data import Sampler
 
@@ -37,15 +37,16 @@ class ResumeSampler(Sampler[int]):
     begins later.
     """
 
-    def __init__(self, sampler: Any, skip: int | Callable[[], int],
-                 epoch: int | Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, sampler: Any, skip: int | Callable[[], int], epoch: int | Callable[[], int] | None = None
+    ) -> None:
         if not callable(skip):
             _checked(skip)
         if not isinstance(sampler, Sized):
             raise ValueError(f"a {type(sampler).__name__} without len() cannot resume mid-epoch by index")
         self.sampler = sampler
         self._first_pass = (skip, epoch)
-        self._pending: Optional[tuple[Any, Any]] = self._first_pass  # None once the first pass began
+        self._pending: tuple[Any, Any] | None = self._first_pass  # None once the first pass began
         if isinstance(epoch, int):
             self.set_epoch(epoch)
 

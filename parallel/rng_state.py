@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ def set_rng_state(state: RngState) -> None:
         torch.cuda.set_rng_state(state["cuda"])  # onto the current device: the same rank's, on resuming
 
 
-def gather_rng_states(group: Optional[dist.ProcessGroup] = None) -> list[RngState]:
+def gather_rng_states(group: dist.ProcessGroup | None = None) -> list[RngState]:
     """Every rank's :func:`rng_state`, indexed by rank in ``group``; a collective (every rank calls it)."""
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, rng_state(), group=group)
@@ -81,11 +81,13 @@ def encode_rng_state(state: RngState) -> bytes:
 
 
 def decode_rng_state(data: bytes) -> RngState:
-    """The :func:`rng_state` value :func:`encode_rng_state` encoded (raises ``pickle.UnpicklingError`` on other data)."""
+    """The :func:`rng_state` value :func:`encode_rng_state` encoded (raises ``pickle.UnpicklingError`` on other
+    data)."""
     plain = _BuiltinsOnly(io.BytesIO(data)).load()
     kind, keys, position, has_gauss, cached_gaussian = plain["numpy"]
-    state: RngState = {name: torch.frombuffer(bytearray(plain[name]), dtype=torch.uint8)
-                       for name in ("torch", "cuda") if name in plain}
+    state: RngState = {
+        name: torch.frombuffer(bytearray(plain[name]), dtype=torch.uint8) for name in ("torch", "cuda") if name in plain
+    }
     keys = torch.frombuffer(bytearray(keys), dtype=torch.int64)
     state.update(python=plain["python"], numpy=(kind, keys, position, has_gauss, cached_gaussian))
     return state

@@ -39,8 +39,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["POLL_S", "PEER_LOSS_TEXT", "FutexBarrier", "ProcessIdentity", "is_running", "local_problem", "own_identity",
-           "proc_stat"]
+__all__ = [
+    "POLL_S",
+    "PEER_LOSS_TEXT",
+    "FutexBarrier",
+    "ProcessIdentity",
+    "is_running",
+    "local_problem",
+    "own_identity",
+    "proc_stat",
+]
 
 POLL_S = 0.1  # seconds a rank sleeps before it looks at its peers again
 PEER_LOSS_TEXT = "peer lost at a shared-memory barrier"  # strategies.exit_causes matches it
@@ -110,8 +118,13 @@ class FutexBarrier:
     identifies rank k's process for the liveness check; ``timeout`` bounds the wait for a live peer.
     """
 
-    def __init__(self, words: Sequence[torch.Tensor], rank: int, peers: Sequence[ProcessIdentity],
-                 timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        words: Sequence[torch.Tensor],
+        rank: int,
+        peers: Sequence[ProcessIdentity],
+        timeout: timedelta | None = None,
+    ) -> None:
         assert all(word.dtype == torch.int32 and word.numel() >= 1 for word in words)
         self._words = list(words)  # keeps the mappings alive for the raw addresses below
         self._addresses = [word.data_ptr() for word in words]
@@ -139,9 +152,12 @@ class FutexBarrier:
     def _check(self, peer: int, deadline: float) -> None:
         identity = self._peers[peer]
         if not is_running(identity):
-            raise RuntimeError(f"{PEER_LOSS_TEXT}: rank {peer} (pid {identity.pid}) exited while rank "
-                               f"{self._rank} waited for it")
+            raise RuntimeError(
+                f"{PEER_LOSS_TEXT}: rank {peer} (pid {identity.pid}) exited while rank {self._rank} waited for it"
+            )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{PEER_LOSS_TEXT}: rank {peer} (pid {identity.pid}) did not arrive within the "
-                               f"timeout of {self._timeout_s:g} s (alive but stopped or stuck elsewhere); "
-                               "raise the strategy's timeout if it is only slow")
+            raise RuntimeError(
+                f"{PEER_LOSS_TEXT}: rank {peer} (pid {identity.pid}) did not arrive within the "
+                f"timeout of {self._timeout_s:g} s (alive but stopped or stuck elsewhere); "
+                "raise the strategy's timeout if it is only slow"
+            )

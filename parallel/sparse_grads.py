@@ -12,7 +12,7 @@ Pure torch; no Lightning import.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def _gather_padded(tensor: torch.Tensor, counts: list[int], group: dist.ProcessG
     padded[: tensor.shape[0]] = tensor
     gathered = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(gathered, padded, group=group)
-    return torch.cat([rows[:count] for rows, count in zip(gathered, counts)])
+    return torch.cat([rows[:count] for rows, count in zip(gathered, counts, strict=True)])
 
 
 class SparseGradSync:
@@ -53,8 +53,9 @@ class SparseGradSync:
         world_size: Its size; with 1 nothing is communicated.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], process_group: dist.ProcessGroup | None,
-                 world_size: int) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], process_group: dist.ProcessGroup | None, world_size: int
+    ) -> None:
         self.params = list(params)
         self._group = process_group
         self._world_size = world_size
@@ -72,7 +73,7 @@ class SparseGradSync:
         counts = [torch.empty_like(count) for _ in range(self._world_size)]
         dist.all_gather(counts, count, group=self._group)
         *per_param, statuses = torch.stack(counts).t().tolist()  # per_param[i][rank]
-        for param, grad, param_counts in zip(self.params, local, per_param):
+        for param, grad, param_counts in zip(self.params, local, per_param, strict=True):
             if max(param_counts) < 0:
                 continue  # no rank has a gradient: it stays None
             param.grad = self._averaged(param, grad, [max(c, 0) for c in param_counts])
@@ -81,14 +82,19 @@ class SparseGradSync:
     @staticmethod
     def _checked(param: nn.Parameter) -> torch.Tensor:
         if not param.grad.is_sparse:
-            raise RuntimeError(f"a parameter of shape {tuple(param.shape)} from a sparse=True Embedding/EmbeddingBag "
-                               "got a dense gradient: set sparse=False on the layer, or keep its gradient sparse")
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} from a sparse=True Embedding/EmbeddingBag "
+                "got a dense gradient: set sparse=False on the layer, or keep its gradient sparse"
+            )
         return param.grad.coalesce()
 
     def _averaged(self, param: nn.Parameter, grad: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
         if grad is None:
-            grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=param.device),
-                                           param.new_zeros((0, *param.shape[1:])), param.shape).coalesce()
+            grad = torch.sparse_coo_tensor(
+                torch.zeros(1, 0, dtype=torch.int64, device=param.device),
+                param.new_zeros((0, *param.shape[1:])),
+                param.shape,
+            ).coalesce()
         indices = _gather_padded(grad.indices().t().contiguous(), counts, self._group).t()
         values = _gather_padded(grad.values(), counts, self._group) / self._world_size
         return torch.sparse_coo_tensor(indices, values, param.shape).coalesce()

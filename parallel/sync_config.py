@@ -69,29 +69,41 @@ def first_bucket_cap_for(backend: str, bucket_cap_mb: float) -> float:
     return bucket_cap_mb if backend in _CPU_REDUCTION_BACKENDS else DEFAULT_FIRST_BUCKET_CAP_MB
 
 
-def sync_option_problems(mode: object, bucket_cap_mb: object, first_bucket_cap_mb: object,
-                         grad_compression: object, grad_transport: object = "auto", *,
-                         mode_name: str = "mode") -> list[str]:
+def sync_option_problems(
+    mode: object,
+    bucket_cap_mb: object,
+    first_bucket_cap_mb: object,
+    grad_compression: object,
+    grad_transport: object = "auto",
+    *,
+    mode_name: str = "mode",
+) -> list[str]:
     """Every bad gradient-sync option with its fix, one string each (``mode_name``: what the caller's
     users call the mode, e.g. the strategy's ``sync_mode``)."""
     problems = []
     if mode not in SYNC_MODES:
         problems.append(f"{mode_name}={mode!r} must be one of {SYNC_MODES}")
-    for name, cap, default in (("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),
-                               ("first_bucket_cap_mb", first_bucket_cap_mb, None)):
+    for name, cap, default in (
+        ("bucket_cap_mb", bucket_cap_mb, DEFAULT_BUCKET_CAP_MB),
+        ("first_bucket_cap_mb", first_bucket_cap_mb, None),
+    ):
         if cap is None and default is None:
             continue  # no default: chosen by backend (first_bucket_cap_for)
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            problems.append(f"{name}={cap!r} must be a number > 0 (MiB; default {default}"
-                            f"{' (by backend)' if default is None else ''}; {mode_name}='per_param' puts each "
-                            "parameter alone)")
+            problems.append(
+                f"{name}={cap!r} must be a number > 0 (MiB; default {default}"
+                f"{' (by backend)' if default is None else ''}; {mode_name}='per_param' puts each "
+                "parameter alone)"
+            )
     if grad_compression is not None and grad_compression not in GRAD_COMPRESSIONS:
         problems.append(f"grad_compression={grad_compression!r} must be None or one of {GRAD_COMPRESSIONS}")
     if grad_transport not in GRAD_TRANSPORTS:
         problems.append(f"grad_transport={grad_transport!r} must be one of {GRAD_TRANSPORTS} (default 'auto')")
     elif grad_transport == "shared_memory" and grad_compression is not None:
-        problems.append(f"grad_transport='shared_memory' sums the buckets themselves, so grad_compression="
-                        f"{grad_compression!r} cannot apply: use grad_transport='process_group' to compress")
+        problems.append(
+            f"grad_transport='shared_memory' sums the buckets themselves, so grad_compression="
+            f"{grad_compression!r} cannot apply: use grad_transport='process_group' to compress"
+        )
     return problems
 
 
@@ -109,8 +121,9 @@ class GradSyncConfig:
     grad_transport: GradTransport = "auto"
 
     def __post_init__(self) -> None:
-        problems = sync_option_problems(self.mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression,
-                                        self.grad_transport)
+        problems = sync_option_problems(
+            self.mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression, self.grad_transport
+        )
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))

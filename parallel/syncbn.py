@@ -68,9 +68,7 @@ class SyncBatchNorm(_BatchNorm):
         bias: bool = True,
         compile: bool = False,
     ) -> None:
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
-        )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         if not isinstance(compile, bool):
             raise TypeError(f"SyncBatchNorm: compile={compile!r} must be a bool (True: torch.compile the kernel)")
         self.process_group = process_group
@@ -103,8 +101,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         if not input.is_floating_point():
             raise ValueError(
-                f"SyncBatchNorm expects a floating-point input, got dtype {input.dtype}; "
-                f"convert it with .float()."
+                f"SyncBatchNorm expects a floating-point input, got dtype {input.dtype}; convert it with .float()."
             )
 
     def forward(self, input: Tensor) -> Tensor:
@@ -189,9 +186,7 @@ class SyncBatchNorm(_BatchNorm):
         return module
 
     @classmethod
-    def convert_sync_batchnorm(
-        cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
-    ) -> nn.Module:
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
         """Alias of :meth:`convert` under ``torch.nn.SyncBatchNorm``'s name."""
         return cls.convert(module, process_group)
 

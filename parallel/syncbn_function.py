@@ -102,8 +102,16 @@ def sync_batch_norm(
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-        running_var: Tensor | None, momentum: float, eps: float, group: dist.ProcessGroup | None, world_size: int,
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: float,
+        eps: float,
+        group: dist.ProcessGroup | None,
+        world_size: int,
         kernels: Kernels,
     ) -> Tensor:
         # The arguments of sync_batch_norm, which documents them.
@@ -169,7 +177,11 @@ class _Moments(NamedTuple):
 
 
 def _batch_moments(
-    x: Tensor, kernels: Kernels, local_count: int, group: dist.ProcessGroup | None, world_size: int,
+    x: Tensor,
+    kernels: Kernels,
+    local_count: int,
+    group: dist.ProcessGroup | None,
+    world_size: int,
 ) -> tuple[Tensor, Tensor, _Moments]:
     """The kernels' state after their first pass, the rounded local mean ``m0`` and the batch's
     moments (merged over ``group`` with ONE all_gather when there is one)."""
@@ -199,8 +211,12 @@ def _update_running_stats(running_mean: Tensor, running_var: Tensor, moments: _M
 
 
 def _gather_moments(
-    approx_mean: Tensor, sum_buf: Tensor, m2: Tensor, local_count: int,
-    group: dist.ProcessGroup, world_size: int,
+    approx_mean: Tensor,
+    sum_buf: Tensor,
+    m2: Tensor,
+    local_count: int,
+    group: dist.ProcessGroup,
+    world_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(count, mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather."""
     num_channels = approx_mean.numel()

@@ -32,7 +32,8 @@ Pure torch; no Lightning import.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,7 +96,12 @@ def _eager_backward_sums(x: Tensor, grad_out: Tensor, mean: Tensor) -> tuple[Ten
 
 
 def _eager_input_grad(
-    buf: Tensor, grad_out: Tensor, mean: Tensor, scale: Tensor, coef_xmu: Tensor, coef_const: Tensor,
+    buf: Tensor,
+    grad_out: Tensor,
+    mean: Tensor,
+    scale: Tensor,
+    coef_xmu: Tensor,
+    coef_const: Tensor,
 ) -> Tensor:
     grad_input = _scale_shift_(buf, coef_xmu, coef_const)
     return grad_input.addcmul_(grad_out, _per_channel(scale, buf))
@@ -180,7 +186,12 @@ def _backward_sums_pass(x: Tensor, grad_out: Tensor, mean: Tensor) -> tuple[Tens
 
 
 def _input_grad_pass(
-    x: Tensor, grad_out: Tensor, mean: Tensor, scale: Tensor, coef_xmu: Tensor, coef_const: Tensor,
+    x: Tensor,
+    grad_out: Tensor,
+    mean: Tensor,
+    scale: Tensor,
+    coef_xmu: Tensor,
+    coef_const: Tensor,
 ) -> Tensor:
     xmu = x.to(mean.dtype) - _per_channel(mean, x)
     grad = grad_out.to(mean.dtype) * _per_channel(scale, x) + xmu * _per_channel(coef_xmu, x)
@@ -214,8 +225,12 @@ class _CompiledPass:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 -- any compile failure: eager gives the same result or the real error
             self._failure["error"] = error
-            warnings.warn(f"SyncBatchNorm(compile=True): torch.compile failed ({_one_line(error)}); running the "
-                          "same math eagerly (slower, same results)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"SyncBatchNorm(compile=True): torch.compile failed ({_one_line(error)}); running the "
+                "same math eagerly (slower, same results)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return self._fn(*args)
 
 
@@ -229,7 +244,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def compiled_kernels(
-    backend: str | Callable[..., Any] = "inductor", min_elements: int = COMPILED_MIN_ELEMENTS, spatial_only: bool = True,
+    backend: str | Callable[..., Any] = "inductor",
+    min_elements: int = COMPILED_MIN_ELEMENTS,
+    spatial_only: bool = True,
 ) -> Kernels:
     """A compiled kernel set (compiles lazily, on the first training forward/backward).
 

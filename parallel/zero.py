@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Schedulers and users edit self.param_groups: forward every hyperparameter.
-        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
+        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             local_group.update({k: v for k, v in group.items() if k != "params"})
         self.local_optimizer.step()
         self._share_params()
@@ -166,16 +167,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{len(self.param_groups)}: build it with the checkpoint's parameter groups"
             )
         local_state, local_groups, next_local = {}, [], 0
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, groups, strict=True):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"param group sizes differ: checkpoint {len(saved['params'])}, "
-                    f"optimizer {len(group['params'])}"
+                    f"param group sizes differ: checkpoint {len(saved['params'])}, optimizer {len(group['params'])}"
                 )
             hyper = {k: v for k, v in saved.items() if k != "params"}
             group.update(hyper)
             local_indices = []
-            for param, index in zip(group["params"], saved["params"]):
+            for param, index in zip(group["params"], saved["params"], strict=True):
                 if self.owner(param) == self._rank:
                     if index in state_dict["state"]:
                         local_state[next_local] = state_dict["state"][index]
@@ -191,7 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _adopt_local_hyperparameters(self) -> None:
         """Show ``optimizer_cls``'s own defaults in ``param_groups``; share its state dict."""
-        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
+        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             for key, value in local_group.items():
                 group.setdefault(key, value)
         self.state = self.local_optimizer.state  # type: ignore[assignment]
@@ -240,11 +240,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if owner == self._rank:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
         else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                               device=params[0].device)
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         dist.broadcast(flat, src=self._global_rank(owner), group=self._process_group)
         if owner != self._rank:
-            for p, values in zip(params, flat.split([p.numel() for p in params])):
+            for p, values in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 p.copy_(values.view_as(p))
 
     def _global_rank(self, group_rank: int) -> int:

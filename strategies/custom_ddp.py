@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -33,7 +34,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTransport, SyncMode
 from strategies.desync import enable_desync_check, log_desync
 from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
@@ -67,7 +67,8 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         bucket_cap_mb: Bucket size cap in MiB for ``"bucketed"``.
         first_bucket_cap_mb: Cap in MiB of the first bucket; ``None``: 1 MiB on NCCL, ``bucket_cap_mb`` on gloo.
         grad_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce fp32 gradients in that dtype.
-        grad_transport: ``"auto"``: CPU ranks on one host sum buckets in shared memory; ``"process_group"``, ``"shared_memory"``.
+        grad_transport: ``"auto"``: CPU ranks on one host sum buckets in shared memory; ``"process_group"``,
+        ``"shared_memory"``.
         zero1: Shard optimizer state over ranks (ZeRO stage 1).
         scatter_eval: Evaluate each sample once with exact metrics; ``False``: Lightning's ``DistributedSampler``.
         timeout: Collective timeout, a ``timedelta`` or seconds (> 0); ``None``: torch's default.
@@ -86,38 +87,44 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
 
     def __init__(
         self,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         sync_batchnorm: bool = True,
-        syncbn_group_size: Optional[int] = None,
+        syncbn_group_size: int | None = None,
         syncbn_compile: bool = False,
         sync_mode: SyncMode = "bucketed",
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        first_bucket_cap_mb: Optional[float] = None,
-        grad_compression: Optional[GradCompression] = None,
+        first_bucket_cap_mb: float | None = None,
+        grad_compression: GradCompression | None = None,
         grad_transport: GradTransport = "auto",
         zero1: bool = False,
         scatter_eval: bool = True,
-        process_group_backend: Optional[str] = None,
+        process_group_backend: str | None = None,
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         desync_check: bool = False,
         broadcast_buffers: bool = True,
-        stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
         exact_resume: bool = True,
     ) -> None:
         self._options = CustomDDPOptions.pick(locals())  # validated once: one error names every bad value
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=as_timedelta(timeout), start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=as_timedelta(timeout),
+            start_method=start_method,
+        )
         self._batchnorm_sync = BatchNormSyncChoice(syncbn_group_size, syncbn_compile, self._timeout)
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._watchdog = Watchdog(stall_timeout)  # a stalled rank ends the job; survivors name a failed rank
-        self._running_stage: Optional[TrainerFn] = None  # between setup and teardown of a trainer call
+        self._running_stage: TrainerFn | None = None  # between setup and teardown of a trainer call
 
     @property
     def options(self) -> CustomDDPOptions:
@@ -152,8 +159,9 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
     def setup_distributed(self) -> None:
         if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: see strategies.elastic_store
             self.set_world_ranks()
-            init_attempt_process_group(self._get_process_group_backend(), self.global_rank, self.world_size,
-                                       self._timeout)
+            init_attempt_process_group(
+                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
+            )
         super().setup_distributed()  # Lightning finds the group initialised and keeps it
 
     @property
@@ -161,7 +169,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         return self.root_device if self.process_group_backend == "nccl" else torch.device("cpu")
 
     @property
-    def running_stage(self) -> Optional[TrainerFn]:
+    def running_stage(self) -> TrainerFn | None:
         """The trainer call between this strategy's setup and teardown (``None`` between calls)."""
         return self._running_stage
 
@@ -211,7 +219,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         self._watchdog.training_starts(self.lightning_module.trainer, self.generators_at_train_start())
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._watchdog.writing_last_checkpoint and not self.is_global_zero:  # rank 1's, rank 0 being lost
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -220,7 +228,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if self._watchdog.ending:  # the last checkpoint of a stalled or failed job: no peer left to meet
             return
         super().barrier(name)
@@ -232,5 +240,9 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         strategy_registry.register(cls.strategy_name, cls, description=description)
         # Like Lightning's ddp_fork / ddp_spawn: the same strategy with another start method.
         for start_method in ("fork", "spawn"):
-            strategy_registry.register(f"{cls.strategy_name}_{start_method}", cls, start_method=start_method,
-                                       description=f"{description}, processes started with {start_method}")
+            strategy_registry.register(
+                f"{cls.strategy_name}_{start_method}",
+                cls,
+                start_method=start_method,
+                description=f"{description}, processes started with {start_method}",
+            )

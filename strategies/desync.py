@@ -32,7 +32,7 @@ import re
 import time
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,26 @@ __all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "
 log = logging.getLogger(__name__)
 
 _MARKERS = ("Detected mismatch between collectives", "failed to pass monitoredBarrier")
-_COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "all_gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-                "barrier", "monitored_barrier"}
+_COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+}
 _TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "object_list", "obj", "scatter_list")
 # Project files whose collectives have a name, by (path part, function) -> source; "" matches any function.
 _SOURCES = (
@@ -66,11 +82,23 @@ _SOURCES = (
 # torch's mismatch text: "Rank <own> is running collective: CollectiveFingerPrint(SequenceNumber=<n>, OpType=...),
 # but Rank <peer> is running collective: CollectiveFingerPrint(SequenceNumber=<m>, OpType=<op>, TensorShape=[...],
 # TensorDtypes=<dtype>...)"; a barrier's has no tensor (and no comma before OpType).
-_FINGERPRINTS = re.compile(r"Rank \d+ is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+).*?"
-                           r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"
-                           r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?", re.DOTALL)
-_FINGERPRINT_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
-                       "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8"}
+_FINGERPRINTS = re.compile(
+    r"Rank \d+ is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+).*?"
+    r"but Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),?\s*"
+    r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?",
+    re.DOTALL,
+)
+_FINGERPRINT_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+}
 _STORE_WAIT_S = 3.0
 _CONNECT_WAIT_S = CONNECT_S  # a healthy store can take name lookups' timeouts to accept (strategies.job_store)
 
@@ -81,7 +109,8 @@ def enable_desync_check() -> None:
         raise RuntimeError(
             "custom_ddp: desync_check=True must be set before the process group exists, but torch.distributed is "
             "already initialised (by init_process_group in user code?). Set TORCH_DISTRIBUTED_DEBUG=DETAIL in the "
-            "environment instead, or let the strategy create the process group.")
+            "environment instead, or let the strategy create the process group."
+        )
     dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
@@ -94,8 +123,8 @@ def is_desync_error(error: BaseException) -> bool:
 def _torch_view(error: BaseException) -> str:
     """What torch's check adds to a rank's own line: the peer's collective as its fingerprint names it
     (the rank that found the mismatch; only at the same sequence number, else torch names an internal
-    collective of its check, seen as "SequenceNumber=0OpType=GATHER"), or that this rank's collective is where it found a peer gone
-    (a rank whose own check passed and that went on until the peer that raised had exited)."""
+    collective of its check, seen as "SequenceNumber=0OpType=GATHER"), or that this rank's collective is where it
+    found a peer gone (a rank whose own check passed and that went on until the peer that raised had exited)."""
     text = chained_text(error)
     match = _FINGERPRINTS.search(text)
     if match is not None:
@@ -151,13 +180,13 @@ def _source(frames: list[tuple[FrameType, int]]) -> str:
     return f"Lightning ({inner.f_code.co_name})" if inner is not None else "unknown"
 
 
-def own_side(tb: Optional[TracebackType], rank: int) -> str:
+def own_side(tb: TracebackType | None, rank: int) -> str:
     """``rank R: <collective>(<tensor>) from <source>``, read from the failing collective's traceback."""
     frames = list(traceback.walk_tb(tb))
     return f"rank {rank}: {_collective_call(frames)} from {_source(frames)}"
 
 
-def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Optional[list[str]]:
+def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> list[str] | None:
     """Every rank's line through the job's TCP store (rank 0 waits up to 3 s); ``None`` if unreachable.
 
     The store is the rendezvous server every rank already talks to; it is not a collective, so a
@@ -181,19 +210,23 @@ def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> Op
         return None
 
 
-def report_desync(error: BaseException, rank: int, world_size: int, host: str, port: int) -> Optional[str]:
+def report_desync(error: BaseException, rank: int, world_size: int, host: str, port: int) -> str | None:
     """The message this rank logs for torch's desync error; ``None`` when ``error`` is something else."""
     if not is_desync_error(error):
         return None
     line = own_side(error.__traceback__, rank) + _torch_view(error)
     sides = _exchange(line, rank, world_size, host, port)
-    head = ("custom_ddp desync check: the ranks issued different collectives (every rank must issue the same "
-            "collectives in the same order):")
+    head = (
+        "custom_ddp desync check: the ranks issued different collectives (every rank must issue the same "
+        "collectives in the same order):"
+    )
     if sides is None:
         first = str(error).splitlines()[0][:400]
         return f"{head}\n  {line}\n  other ranks: see their own lines; torch says: {first}"
-    tail = ("  Look for a collective only some ranks reach: a branch on the rank, a step one rank skips, "
-            "self.log(..., sync_dist=True) in a rank-dependent branch.")
+    tail = (
+        "  Look for a collective only some ranks reach: a branch on the rank, a step one rank skips, "
+        "self.log(..., sync_dist=True) in a rank-dependent branch."
+    )
     return "\n".join([head, *(f"  {side}" for side in sides), tail])
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -26,7 +25,7 @@ def uses_shared_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RESTART_COUNT" in os.environ
 
 
-def init_attempt_process_group(backend: str, rank: int, world_size: int, timeout: Optional[timedelta]) -> None:
+def init_attempt_process_group(backend: str, rank: int, world_size: int, timeout: timedelta | None) -> None:
     """``init_process_group`` on the agent's store, keys under this attempt's prefix."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout or timedelta(minutes=30))

@@ -33,7 +33,7 @@ rank's generators, restored at ``on_train_start`` (:mod:`strategies.resume_rng`)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -51,7 +51,7 @@ __all__ = ["ExactResume"]
 _REPEATABLE_ORDER = (DistributedSampler, SequentialSampler)
 
 
-def _not_by_index(dataloader: object, trainer: pl.Trainer) -> Optional[str]:
+def _not_by_index(dataloader: object, trainer: pl.Trainer) -> str | None:
     """Why ``dataloader`` cannot resume by index, or ``None``."""
     batching = index_batching(dataloader)
     if isinstance(batching, str):
@@ -70,21 +70,24 @@ class ExactResume:
     """
 
     options: Any  # the strategy's CustomDDPOptions
-    lightning_module: Optional[pl.LightningModule]
+    lightning_module: pl.LightningModule | None
     global_rank: int
     world_size: int
     _resumes: tuple[LoaderResume, ...] = ()  # this resumed fit's training loaders, until its first batch
-    _rng_state: Optional[RngState] = None  # this rank's generators from the resumed checkpoint, until on_train_start
-    _rng_before_iterator: Optional[RngState] = None  # this fit's, as they were before its first training iterator
-    _rng_at_epoch_start: Optional[RngState] = None  # restored at an epoch's start: set again at its first fetch
+    _rng_state: RngState | None = None  # this rank's generators from the resumed checkpoint, until on_train_start
+    _rng_before_iterator: RngState | None = None  # this fit's, as they were before its first training iterator
+    _rng_at_epoch_start: RngState | None = None  # restored at an epoch's start: set again at its first fetch
     _redraw_at_first_fetch = False  # resumed from an epoch's end: its iterator's base seed drawn at the first fetch
 
-    def _fitting_trainer(self) -> Optional[pl.Trainer]:
+    def _fitting_trainer(self) -> pl.Trainer | None:
         """The trainer when this call fits and resumes exactly (``None`` otherwise)."""
         module = self.lightning_module
         trainer = None if module is None else module._trainer
-        return trainer if self.options.exact_resume and trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+        return (
+            trainer
+            if self.options.exact_resume and trainer is not None and trainer.state.fn == TrainerFn.FITTING
             else None
+        )
 
     def save_rng_states(self, checkpoint: dict[str, Any]) -> None:
         """Every rank's generators into ``checkpoint`` while fitting; call from the save every rank makes."""
@@ -92,7 +95,7 @@ class ExactResume:
             checkpoint[CHECKPOINT_KEY] = gather_rng_states()  # a collective: every rank's save calls it
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         if self._fitting_trainer() is not None:
             self._rng_state = rng_state_to_restore(checkpoint, self.global_rank, self.world_size)
@@ -123,7 +126,7 @@ class ExactResume:
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", FALLBACK)
 
-    def _restore_rng(self, remake_iterators: Optional[Callable[[], None]]) -> None:
+    def _restore_rng(self, remake_iterators: Callable[[], None] | None) -> None:
         """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators
         anew (their first pass began too early), before the restore or after it, as the uninterrupted fit
         drew their base seeds before or after the checkpoint."""
@@ -175,7 +178,7 @@ class ExactResume:
         elif redraw:
             redraw_base_seeds(self.lightning_module.trainer.train_dataloader)  # type: ignore[union-attr]
 
-    def generators_at_train_start(self) -> Optional[RngState]:
+    def generators_at_train_start(self) -> RngState | None:
         """The generators a checkpoint of where training starts must hold (after :meth:`on_train_start`): the
         ones now, or at an epoch's start those before its iterator was made (resuming there makes that draw
         again, :func:`~strategies.resume_rng.redraw_base_seeds`); ``None`` without ``exact_resume``."""

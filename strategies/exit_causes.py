@@ -19,18 +19,29 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.stall_watch import describe_where, process_state
 
-__all__ = ["CAUSE_WAIT_S", "PeerCauses", "cause_text", "chained_text", "is_peer_loss", "peer_causes", "write_exit_record"]
+__all__ = [
+    "CAUSE_WAIT_S",
+    "PeerCauses",
+    "cause_text",
+    "chained_text",
+    "is_peer_loss",
+    "peer_causes",
+    "write_exit_record",
+]
 
 CAUSE_WAIT_S = 2.0
-_PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
-                        r"Timed out waiting|Connection refused|ECONNRESET|" + re.escape(PEER_LOSS_TEXT), re.IGNORECASE)
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket Timeout|"
+    r"Timed out waiting|Connection refused|ECONNRESET|" + re.escape(PEER_LOSS_TEXT),
+    re.IGNORECASE,
+)
 
 
 def chained_text(error: BaseException) -> str:
@@ -57,21 +68,27 @@ def cause_text(error: BaseException) -> str:
 
 def write_exit_record(store: dist.Store, rank: int, error: BaseException, where: dict[str, Any]) -> None:
     """Record why this rank ends; a store that cannot be reached is ignored (the cause is in this rank's log)."""
-    record = {"rank": rank, "cause": cause_text(error), "where": where, "peer_loss": is_peer_loss(error),
-              "t": time.time()}
+    record = {
+        "rank": rank,
+        "cause": cause_text(error),
+        "where": where,
+        "peer_loss": is_peer_loss(error),
+        "t": time.time(),
+    }
     try:
         store.set(f"exit/{rank}", json.dumps(record))
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
 
 
-def _may_still_write(heartbeat: Optional[dict[str, Any]], host: str) -> bool:
+def _may_still_write(heartbeat: dict[str, Any] | None, host: str) -> bool:
     """Whether a peer without a record may yet write one: not known gone from this machine's /proc."""
     return heartbeat is None or heartbeat.get("host") != host or process_state(heartbeat["pid"]) not in ("gone", "Z")
 
 
-def _read_records(store: dist.Store, heartbeats: list[Optional[dict[str, Any]]], rank: int, host: str,
-                  wait_s: float) -> dict[int, dict[str, Any]]:
+def _read_records(
+    store: dist.Store, heartbeats: list[dict[str, Any] | None], rank: int, host: str, wait_s: float
+) -> dict[int, dict[str, Any]]:
     """Peers' exit records, waiting up to ``wait_s`` for one that is not itself a peer loss while a peer
     without a record may still write one (no wait for a peer already gone: SIGKILL leaves no record).
     Every moment counts: Lightning's popen launcher SIGKILLs all ranks within 5 s of a child's failure."""
@@ -92,13 +109,15 @@ def _gone(heartbeat: dict[str, Any], host: str) -> bool:
     return heartbeat.get("host") == host and process_state(heartbeat["pid"]) in ("gone", "Z")
 
 
-def _silent_peer(rank: int, record: Optional[dict[str, Any]], host: str) -> Optional[str]:
+def _silent_peer(rank: int, record: dict[str, Any] | None, host: str) -> str | None:
     if record is None:
         return None
     if _gone(record, host):
-        return (f"custom_ddp: rank {rank} (pid {record['pid']}) ended without a word: killed by a signal it cannot "
-                f"catch (SIGKILL, the OOM killer) or a hard crash; its last heartbeat (at most 1 s before) showed "
-                f"{describe_where(record)}")
+        return (
+            f"custom_ddp: rank {rank} (pid {record['pid']}) ended without a word: killed by a signal it cannot "
+            f"catch (SIGKILL, the OOM killer) or a hard crash; its last heartbeat (at most 1 s before) showed "
+            f"{describe_where(record)}"
+        )
     return None
 
 
@@ -109,22 +128,42 @@ class PeerCauses(NamedTuple):
     lost: frozenset[int]  # the peers known to have ended first (their record, or their process gone)
 
 
-def peer_causes(store: Optional[dist.Store], rank: int, heartbeats: list[Optional[dict[str, Any]]],
-                host: str, wait_s: float = CAUSE_WAIT_S) -> PeerCauses:
+def peer_causes(
+    store: dist.Store | None,
+    rank: int,
+    heartbeats: list[dict[str, Any] | None],
+    host: str,
+    wait_s: float = CAUSE_WAIT_S,
+) -> PeerCauses:
     """The peers that ended first: from their records, else from their last heartbeat and process."""
     peers = [peer for peer in range(len(heartbeats)) if peer != rank]
     try:
         records = _read_records(store, heartbeats, rank, host, wait_s) if store is not None else {}
     except Exception:  # noqa: BLE001 - the store's host (rank 0 under Lightning's launcher) is gone
         gone = rank != 0 and heartbeats[0] is not None and _gone(heartbeats[0], host)
-        return PeerCauses(["custom_ddp: the job's store is gone with its host (rank 0 under Lightning's launcher): "
-                           "rank 0 ended first; its cause is in its own output"], frozenset({0} if gone else ()))
+        return PeerCauses(
+            [
+                "custom_ddp: the job's store is gone with its host (rank 0 under Lightning's launcher): "
+                "rank 0 ended first; its cause is in its own output"
+            ],
+            frozenset({0} if gone else ()),
+        )
     failed = {peer: record for peer, record in sorted(records.items()) if not record["peer_loss"]}
     if failed:
-        return PeerCauses([f"custom_ddp: rank {peer} ended first: {record['cause']} at {_place(record['where'])}"
-                           for peer, record in failed.items()], frozenset(failed))
-    silent = {peer: line for peer in peers if peer not in records
-              for line in [_silent_peer(peer, heartbeats[peer], host)] if line}
+        return PeerCauses(
+            [
+                f"custom_ddp: rank {peer} ended first: {record['cause']} at {_place(record['where'])}"
+                for peer, record in failed.items()
+            ],
+            frozenset(failed),
+        )
+    silent = {
+        peer: line
+        for peer in peers
+        if peer not in records
+        for line in [_silent_peer(peer, heartbeats[peer], host)]
+        if line
+    }
     return PeerCauses(list(silent.values()), frozenset(silent))
 
 

@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 from strategies.desync import _collective_call, _source
 from strategies.job_store import BoundedStore
@@ -52,8 +52,13 @@ _BUSY_FRAMES = (
 )
 # Innermost frames of a main thread that waits for peers: a collective, or a gradient bucket's
 # all-reduce (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future).
-_WAIT_FRAMES = ("torch/distributed/", "torch/futures/", "parallel/grad_sync.py", "parallel/reducer.py",
-                "parallel/buckets.py")
+_WAIT_FRAMES = (
+    "torch/distributed/",
+    "torch/futures/",
+    "parallel/grad_sync.py",
+    "parallel/reducer.py",
+    "parallel/buckets.py",
+)
 
 
 class Progress:
@@ -62,7 +67,7 @@ class Progress:
     def __init__(self) -> None:
         self.marks = 0
         self.where: dict[str, Any] = {}
-        self.declared_busy: Optional[str] = None
+        self.declared_busy: str | None = None
 
     def mark(self, **where: Any) -> None:
         """The main thread moved: ``where`` is e.g. ``stage="train", epoch=1, batch=3, step=15``."""
@@ -87,7 +92,7 @@ def _frames(thread_id: int) -> list[tuple[FrameType, int]]:
     return list(reversed(list(traceback.walk_stack(frame)))) if frame is not None else []
 
 
-def main_thread_state(frames: list[tuple[FrameType, int]]) -> tuple[Optional[str], Optional[str]]:
+def main_thread_state(frames: list[tuple[FrameType, int]]) -> tuple[str | None, str | None]:
     """``(collective it waits in, busy phase)`` of a thread from its frames (outermost first)."""
     if not frames:
         return None, None
@@ -106,8 +111,10 @@ def main_thread_state(frames: list[tuple[FrameType, int]]) -> tuple[Optional[str
 
 def stack_text(frames: list[tuple[FrameType, int]], limit: int = 12) -> str:
     """The innermost ``limit`` frames, innermost last, one ``file:line in function`` per line."""
-    lines = [f'  File "{frame.f_code.co_filename}", line {lineno}, in {frame.f_code.co_name}'
-             for frame, lineno in frames[-limit:]]
+    lines = [
+        f'  File "{frame.f_code.co_filename}", line {lineno}, in {frame.f_code.co_name}'
+        for frame, lineno in frames[-limit:]
+    ]
     return "\n".join(lines)
 
 
@@ -119,9 +126,15 @@ class Heartbeat(threading.Thread):
     ``on_store_error`` instead.
     """
 
-    def __init__(self, store: BoundedStore, rank: int, world_size: int, progress: Progress,
-                 watch: Callable[[list[Optional[dict[str, Any]]], BoundedStore], None],
-                 on_store_error: Callable[[Exception], None]) -> None:
+    def __init__(
+        self,
+        store: BoundedStore,
+        rank: int,
+        world_size: int,
+        progress: Progress,
+        watch: Callable[[list[dict[str, Any] | None], BoundedStore], None],
+        on_store_error: Callable[[Exception], None],
+    ) -> None:
         super().__init__(name=f"custom_ddp-heartbeat-{rank}", daemon=True)
         self.store, self.rank, self.world_size, self.progress = store, rank, world_size, progress
         self._watch, self._on_store_error = watch, on_store_error
@@ -137,9 +150,15 @@ class Heartbeat(threading.Thread):
         """This rank's record now (see the module docstring)."""
         collective, busy = main_thread_state(_frames(self._main))
         self._seq += 1
-        return {**self.identity, "t": time.time(), "seq": self._seq, "marks": self.progress.marks,
-                "where": self.progress.where, "collective": collective,
-                "busy": self.progress.declared_busy or busy}
+        return {
+            **self.identity,
+            "t": time.time(),
+            "seq": self._seq,
+            "marks": self.progress.marks,
+            "where": self.progress.where,
+            "collective": collective,
+            "busy": self.progress.declared_busy or busy,
+        }
 
     def main_stack(self) -> str:
         return stack_text(_frames(self._main))
@@ -151,7 +170,7 @@ class Heartbeat(threading.Thread):
                 self.store.set(keys[self.rank], json.dumps(self.record()))
                 # One round trip per beat once every rank has reported (check() is all-or-nothing).
                 present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
-                values = dict(zip(present, self.store.multi_get(present))) if present else {}
+                values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
                 records = [json.loads(values[key]) if key in values else None for key in keys]
             except Exception as error:  # noqa: BLE001 - any store failure is reported, never raised here
                 if not self._stopped.is_set():

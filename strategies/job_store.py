@@ -23,14 +23,14 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CONNECT_S", "STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store",
-           "serve_store"]
+__all__ = ["CONNECT_S", "STORE_OP_S", "BoundedStore", "StoreUnanswered", "connect_store", "host_store", "serve_store"]
 
 STORE_OP_S = 5.0  # a store operation that takes longer fails (the store's host is stopped or gone)
 # A new connection can wait on two reverse name lookups: c10d's client looks up the address it connects to, and
@@ -55,10 +55,10 @@ class _Call:
     operation: str
     args: tuple[Any, ...]
     sent: float = field(default_factory=time.monotonic)
-    started: Optional[float] = None
+    started: float | None = None
     abandoned: bool = False
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -68,13 +68,13 @@ class _Lane:
     def __init__(self) -> None:
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.running: Optional[_Call] = None
+        self.running: _Call | None = None
 
 
 def _serve(connect: Callable[[], dist.Store], lane: _Lane) -> None:
     """The worker thread: connects (the first call), then runs the calls in order until ``None``
     arrives (then the client can close)."""
-    store: Optional[dist.Store] = None
+    store: dist.Store | None = None
     while (call := lane.calls.get()) is not None:
         with lane.lock:
             if call.abandoned:
@@ -99,8 +99,12 @@ class BoundedStore:
     ``connect`` raises, or :class:`StoreUnanswered` when it does not return within ``connect_timeout_s``
     (``None``: ``op_timeout_s``)."""
 
-    def __init__(self, connect: Callable[[], dist.Store], op_timeout_s: float = STORE_OP_S,
-                 connect_timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], dist.Store],
+        op_timeout_s: float = STORE_OP_S,
+        connect_timeout_s: float | None = None,
+    ) -> None:
         self._timeout = op_timeout_s
         self._lane = _Lane()
         # A daemon thread holding the client, not this object: dropping this object ends it too.
@@ -132,7 +136,7 @@ class BoundedStore:
         """Let the worker end once its calls are done: the client's connection closes with it."""
         self._close()
 
-    def _call(self, operation: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
+    def _call(self, operation: str, *args: Any, timeout_s: float | None = None) -> Any:
         lane = self._lane
         with lane.lock:
             stuck = lane.running
@@ -152,8 +156,9 @@ class BoundedStore:
         return call.result
 
 
-def connect_store(host: str, port: int, prefix: str, op_timeout_s: float = STORE_OP_S,
-                  connect_timeout_s: float = CONNECT_S) -> BoundedStore:
+def connect_store(
+    host: str, port: int, prefix: str, op_timeout_s: float = STORE_OP_S, connect_timeout_s: float = CONNECT_S
+) -> BoundedStore:
     """A new client connection to the job's TCP store (not the process group's own), keys under ``prefix``;
     raises :class:`StoreUnanswered` when the host does not accept it within ``connect_timeout_s``."""
 
@@ -179,14 +184,16 @@ def _address_toward(host: str, port: int) -> str:
 def serve_store(host: str, op_timeout_s: float = STORE_OP_S) -> dist.TCPStore:
     """A new TCP store server in this process at ``host``, on a free port: its own client connection gets
     :data:`CONNECT_S`, then its operations ``op_timeout_s``."""
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=max(op_timeout_s, CONNECT_S)))
+    server = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=max(op_timeout_s, CONNECT_S))
+    )
     server.set_timeout(timedelta(seconds=op_timeout_s))
     return server
 
 
-def host_store(reachable_from: tuple[str, int], prefix: str,
-               op_timeout_s: float = STORE_OP_S) -> tuple[BoundedStore, str]:
+def host_store(
+    reachable_from: tuple[str, int], prefix: str, op_timeout_s: float = STORE_OP_S
+) -> tuple[BoundedStore, str]:
     """A new TCP store server in this process, on a free port, keys under ``prefix`` (as :func:`connect_store`
     puts them), as a :class:`BoundedStore` (the server ends when that is closed), and the ``host:port`` at which
     processes that reach ``reachable_from`` (the job's store) reach it."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -61,8 +61,10 @@ class _Window:
 
 def _at_window_start(progress: dict[str, Any], window: _Window) -> None:
     """Set checkpointed batch counters to those of a fault in the window's first batch: begun, not processed."""
-    for counters, completed in ((progress["total"], window.total_completed),
-                                (progress["current"], window.current_completed)):
+    for counters, completed in (
+        (progress["total"], window.total_completed),
+        (progress["current"], window.current_completed),
+    ):
         counters.update(ready=completed + 1, started=completed + 1, processed=completed, completed=completed)
     progress["is_last_batch"] = False
 
@@ -72,10 +74,10 @@ class LastCheckpoint:
 
     def __init__(self, zero1: bool = False) -> None:
         self.zero1 = zero1  # optimizer state sharded over ranks: a lost rank's shard cannot be saved
-        self.saved_step: Optional[int] = None  # global step of the newest checkpoint written
+        self.saved_step: int | None = None  # global step of the newest checkpoint written
         self.updating = False  # between on_before_optimizer_step and the batch end: weights half updated
         self.ending = False  # a last checkpoint is being written: the strategy's barrier must not communicate
-        self._window: Optional[_Window] = None  # inside an accumulation window only (a batch without one)
+        self._window: _Window | None = None  # inside an accumulation window only (a batch without one)
         self.window_open = False  # on every rank: a training batch began since the last step or epoch end
         self._writing = False
         self._generators_note = ""  # what the newest of this class's checkpoints holds of the random generators
@@ -99,8 +101,7 @@ class LastCheckpoint:
         if self._window is None or self._window.epoch != trainer.current_epoch:  # a new accumulation window
             progress = trainer.fit_loop.epoch_loop.batch_progress
             buffers = {name: buffer.detach().clone() for name, buffer in pl_module.named_buffers()}
-            self._window = _Window(trainer.current_epoch, progress.total.completed, progress.current.completed,
-                                   buffers)
+            self._window = _Window(trainer.current_epoch, progress.total.completed, progress.current.completed, buffers)
 
     def batch_ended(self) -> bool:
         """A training batch ended; ``True`` when it stepped (the next batch begins a window)."""
@@ -114,8 +115,9 @@ class LastCheckpoint:
         """The next batch begins a window, stepped or not (:meth:`batch_started` opens one per epoch)."""
         self.window_open = False
 
-    def saving(self, trainer: pl.Trainer, checkpoint: dict[str, Any],
-               generators: Optional[WindowGenerators] = None) -> None:
+    def saving(
+        self, trainer: pl.Trainer, checkpoint: dict[str, Any], generators: WindowGenerators | None = None
+    ) -> None:
         """Every checkpoint about to be written; this class's own gets the window's start (module docstring)."""
         self.saved_step = trainer.global_step
         window = self._window
@@ -142,12 +144,14 @@ class LastCheckpoint:
                 return progress
         except (KeyError, TypeError):
             pass
-        raise RuntimeError(f"custom_ddp: cannot move the checkpoint back to the accumulation window's start: its "
-                           f"batch counters are not at {'/'.join(_BATCH_PROGRESS)} in Lightning {pl.__version__}")
+        raise RuntimeError(
+            f"custom_ddp: cannot move the checkpoint back to the accumulation window's start: its "
+            f"batch counters are not at {'/'.join(_BATCH_PROGRESS)} in Lightning {pl.__version__}"
+        )
 
     # ------------------------------------------------------------- writing it
 
-    def note(self, trainer: Optional[pl.Trainer], parked: bool, rank0_lost: bool = False) -> str:
+    def note(self, trainer: pl.Trainer | None, parked: bool, rank0_lost: bool = False) -> str:
         """Write it if this rank can (``parked``: its main thread waits in a collective and touches no
         state; ``rank0_lost``: rank 1 writes); the report's line on what to resume."""
         if trainer is None:
@@ -175,13 +179,14 @@ class LastCheckpoint:
         finally:
             self._writing = False
         writer = "rank 0" if trainer.is_global_zero else f"rank {trainer.global_rank}, rank 0 being lost"
-        return (f"checkpoint of the last completed optimizer step {trainer.global_step} written by {writer}: {path} "
-                f"(resume: --ckpt_path {path} or --ckpt_path last); random generators: {self._generators_note}")
+        return (
+            f"checkpoint of the last completed optimizer step {trainer.global_step} written by {writer}: {path} "
+            f"(resume: --ckpt_path {path} or --ckpt_path last); random generators: {self._generators_note}"
+        )
 
-    def cannot_save(self, trainer: Any, rank0_lost: bool = False) -> Optional[str]:
+    def cannot_save(self, trainer: Any, rank0_lost: bool = False) -> str | None:
         if trainer.global_rank != self.writer(rank0_lost):
-            return ("only rank 0 writes checkpoints (rank 1 when rank 0 is lost) and it is not among the healthy "
-                    "ranks")
+            return "only rank 0 writes checkpoints (rank 1 when rank 0 is lost) and it is not among the healthy ranks"
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return f"nothing trained to save during {trainer.state.fn.value if trainer.state.fn else 'setup'}"
         if self.zero1:

@@ -20,28 +20,30 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies.launchers.multiprocessing import (_disable_module_memory_sharing,
-                                                                    _MultiProcessingLauncher)
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _disable_module_memory_sharing,
+    _MultiProcessingLauncher,
+)
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException
 
-import lightning.pytorch as pl
 from strategies.signal_forwarding import SignalForwarding, restore_in_worker
 from strategies.stop_signals import StopOnSignal
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-__all__ = ["RANK0_GRACE_S", "OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher",
-           "one_stage_launcher"]
+__all__ = ["RANK0_GRACE_S", "OneStageMultiProcessingLauncher", "OneStageSubprocessScriptLauncher", "one_stage_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,12 @@ class _OneStageAtATime:
 
     _strategy: Any
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self._refuse_a_nested_stage(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
-    def _refuse_a_nested_stage(self, trainer: Optional[pl.Trainer]) -> None:
-        running: Optional[TrainerFn] = self._strategy.running_stage
+    def _refuse_a_nested_stage(self, trainer: pl.Trainer | None) -> None:
+        running: TrainerFn | None = self._strategy.running_stage
         if running is not None:
             called = trainer.state.fn.value if trainer is not None else "<stage>"
             raise RuntimeError(
@@ -93,12 +95,13 @@ class OneStageSubprocessScriptLauncher(_OneStageAtATime, _SubprocessScriptLaunch
     """The popen launcher (re-runs the script per rank), one stage at a time, sparing rank 0 a while
     when a child fails (:class:`_ObserverSparingRank0`)."""
 
-    def __init__(self, strategy: Any, cluster_environment: ClusterEnvironment, num_processes: int,
-                 num_nodes: int) -> None:
+    def __init__(
+        self, strategy: Any, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
+    ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._strategy = strategy
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         # _SubprocessScriptLauncher.launch with its observer replaced (the names: strategies.lightning_seams).
         self._refuse_a_nested_stage(trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -140,7 +143,7 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     checkpoint and the desync report that a popen job has.
     """
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional[pl.Trainer] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         forwarding = SignalForwarding(lambda: getattr(self, "procs", []))
         forwarding.install()
         try:
@@ -153,8 +156,9 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
         finally:
             forwarding.restore()
 
-    def _wrapping_function(self, process_idx: int, trainer: Optional[pl.Trainer], function: Callable, args: Any,
-                           kwargs: Any, *rest: Any) -> None:
+    def _wrapping_function(
+        self, process_idx: int, trainer: pl.Trainer | None, function: Callable, args: Any, kwargs: Any, *rest: Any
+    ) -> None:
         restore_in_worker()  # a forked worker: the handlers the launching process had before forwarding
         if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
@@ -174,6 +178,7 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
 def one_stage_launcher(strategy: Any, start_method: str) -> _Launcher:
     """The guarded launcher ``DDPStrategy._configure_launcher`` would pick for ``start_method``."""
     if start_method == "popen":
-        return OneStageSubprocessScriptLauncher(strategy, strategy.cluster_environment, strategy.num_processes,
-                                                strategy.num_nodes)
+        return OneStageSubprocessScriptLauncher(
+            strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
     return OneStageMultiProcessingLauncher(strategy, start_method=start_method)

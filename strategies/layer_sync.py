@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
@@ -80,17 +79,19 @@ class BatchNormSyncChoice:
     the strategy's ``syncbn_group_size`` / ``syncbn_compile`` options decide.
     """
 
-    def __init__(self, group_size: Optional[int], compile: bool, timeout: Optional[timedelta]) -> None:
+    def __init__(self, group_size: int | None, compile: bool, timeout: timedelta | None) -> None:
         self._group_size, self._compile, self._timeout = group_size, compile, timeout
-        self._groups: Optional[tuple[object, CustomSyncBatchNorm]] = None  # (world group, plugin for its blocks)
+        self._groups: tuple[object, CustomSyncBatchNorm] | None = None  # (world group, plugin for its blocks)
 
-    def plugin(self, current: Optional[LayerSync]) -> LayerSync:
+    def plugin(self, current: LayerSync | None) -> LayerSync:
         """The plugin for this fit, given the one Lightning's connector set (``strategy._layer_sync``)."""
         if current is not None and not isinstance(current, TorchSyncBatchNorm):
             if self._group_size is not None or self._compile:
                 chosen = "syncbn_compile=True" if self._group_size is None else f"syncbn_group_size={self._group_size}"
-                raise ValueError(f"CustomDDPStrategy: {chosen} and the plugin {type(current).__name__} both choose "
-                                 "the BatchNorm sync; pass only one")
+                raise ValueError(
+                    f"CustomDDPStrategy: {chosen} and the plugin {type(current).__name__} both choose "
+                    "the BatchNorm sync; pass only one"
+                )
             return current  # a plugin the user passed, e.g. CustomSyncBatchNorm(process_group)
         if isinstance(current, TorchSyncBatchNorm):
             rank_zero_info("custom_ddp: replacing torch.nn.SyncBatchNorm (sync_batchnorm=True) by the hand-written one")

@@ -12,7 +12,7 @@ must be an attribute of it), or ``None`` for an instance attribute only the vers
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import lightning
 
@@ -22,7 +22,7 @@ VERIFIED_LIGHTNING = "2.6"
 
 
 class Seam(NamedTuple):
-    owner: Optional[str]
+    owner: str | None
     name: str
     user: str
     why: str
@@ -42,22 +42,54 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     Seam(f"{_MP}._MultiProcessingLauncher", "_wrapping_function", "launchers", "a worker's stage, then its exit"),
     Seam(_MP, "_disable_module_memory_sharing", "launchers", "forkserver workers' own copy of the module (CPU)"),
     Seam(_POPEN, "_SubprocessScriptLauncher", "launchers, preemption", "subclassed: the popen launcher"),
-    Seam(f"{_POPEN}._SubprocessScriptLauncher", "_call_children_scripts", "launchers",
-         "its launch, redone with an observer that spares rank 0 a while"),
-    Seam("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver", "launchers",
-         "subclassed: _terminate_all gives rank 0 a grace period"),
-    Seam("lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver", "_terminate_all",
-         "launchers", "overridden (children, then rank 0 after RANK0_GRACE_S)"),
-    Seam("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed", "launchers",
-         "the launch's intra-op threads per rank, as Lightning sets them"),
-    Seam(None, "LightningModule._trainer", "scatter_eval, exact_resume",
-         "the trainer while loaders are set up (no public path)"),
-    Seam(None, "_FitLoop._data_fetcher", "exact_resume",
-         "its iterator made anew after the restore when workers drew the resumed epoch's indices too early"),
-    Seam("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_broadcast_sigterm_tensor",
-         "preemption", "the per-batch SIGTERM broadcast the stop protocol leaves in place"),
-    Seam("lightning.pytorch.trainer.connectors.signal_connector._SignalConnector", "_sigterm_notifier_fn",
-         "preemption", "Lightning's handler (broadcasts inside the handler) that preemption replaces"),
+    Seam(
+        f"{_POPEN}._SubprocessScriptLauncher",
+        "_call_children_scripts",
+        "launchers",
+        "its launch, redone with an observer that spares rank 0 a while",
+    ),
+    Seam(
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_ChildProcessObserver",
+        "launchers",
+        "subclassed: _terminate_all gives rank 0 a grace period",
+    ),
+    Seam(
+        "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver",
+        "_terminate_all",
+        "launchers",
+        "overridden (children, then rank 0 after RANK0_GRACE_S)",
+    ),
+    Seam(
+        "lightning.fabric.utilities.distributed",
+        "_set_num_threads_if_needed",
+        "launchers",
+        "the launch's intra-op threads per rank, as Lightning sets them",
+    ),
+    Seam(
+        None,
+        "LightningModule._trainer",
+        "scatter_eval, exact_resume",
+        "the trainer while loaders are set up (no public path)",
+    ),
+    Seam(
+        None,
+        "_FitLoop._data_fetcher",
+        "exact_resume",
+        "its iterator made anew after the restore when workers drew the resumed epoch's indices too early",
+    ),
+    Seam(
+        "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop",
+        "_broadcast_sigterm_tensor",
+        "preemption",
+        "the per-batch SIGTERM broadcast the stop protocol leaves in place",
+    ),
+    Seam(
+        "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector",
+        "_sigterm_notifier_fn",
+        "preemption",
+        "Lightning's handler (broadcasts inside the handler) that preemption replaces",
+    ),
     Seam(None, "torchmetrics Metric._reductions", "parallel.metric_sync", "each state's reduction (no public path)"),
 )
 
@@ -78,13 +110,15 @@ def _missing(seam: Seam) -> bool:
 
 def check_private_seams(version: str = lightning.__version__) -> None:
     """Raise ``RuntimeError`` naming every private seam that moved, or the unverified Lightning series."""
-    problems = [f"{seam.owner}.{seam.name} (used by {seam.user}: {seam.why})" for seam in PRIVATE_SEAMS
-                if _missing(seam)]
+    problems = [
+        f"{seam.owner}.{seam.name} (used by {seam.user}: {seam.why})" for seam in PRIVATE_SEAMS if _missing(seam)
+    ]
     if version != VERIFIED_LIGHTNING and not version.startswith(VERIFIED_LIGHTNING + "."):
         problems.insert(0, f"found Lightning {version}, verified for {VERIFIED_LIGHTNING}.x")
     if problems:
         raise RuntimeError(
             "custom_ddp relies on private Lightning names listed in strategies/lightning_seams.py: "
-            + "; ".join(problems) + ". Re-check the users named there against the installed Lightning and update "
+            + "; ".join(problems)
+            + ". Re-check the users named there against the installed Lightning and update "
             "VERIFIED_LIGHTNING, or install lightning>=2.6,<2.7 as pyproject.toml pins."
         )

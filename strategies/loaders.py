@@ -17,9 +17,19 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 __all__ = ["index_batching", "keeps_its_position", "set_sampler_epoch", "with_sampler"]
 
 # DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
-_KEPT_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-                     "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
-                     "pin_memory_device", "in_order")
+_KEPT_LOADER_ARGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
 
 
 def keeps_its_position(dataloader: object) -> bool:
@@ -33,8 +43,10 @@ def set_sampler_epoch(dataloader: object, epoch: int) -> None:
     """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's, those that have it (as Lightning's
     loop does at an epoch's start; its helper for that is private)."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    samplers = {id(sampler): sampler for sampler in (getattr(dataloader, "sampler", None),
-                                                      getattr(batch_sampler, "sampler", None))}
+    samplers = {
+        id(sampler): sampler
+        for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    }
     for sampler in samplers.values():
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
@@ -53,7 +65,9 @@ def index_batching(dataloader: object) -> tuple[int, bool] | str:
     return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
 
 
-def with_sampler(dataloader: DataLoader, sampler: Any, batching: tuple[int, bool], what: str, fallback: str) -> DataLoader:
+def with_sampler(
+    dataloader: DataLoader, sampler: Any, batching: tuple[int, bool], what: str, fallback: str
+) -> DataLoader:
     """``dataloader`` reading its dataset in ``sampler``'s order, every other setting kept.
 
     ``what`` names the rebuilt loader in the warning a ``DataLoader`` subclass gets (its own
@@ -61,7 +75,9 @@ def with_sampler(dataloader: DataLoader, sampler: Any, batching: tuple[int, bool
     """
     kept = {name: getattr(dataloader, name) for name in _KEPT_LOADER_ARGS if hasattr(dataloader, name)}
     if type(dataloader) is not DataLoader:
-        rank_zero_warn(f"custom_ddp: the {what} of class {type(dataloader).__name__} is rebuilt as a torch "
-                       f"DataLoader (same settings); {fallback} if the subclass changes iteration.")
+        rank_zero_warn(
+            f"custom_ddp: the {what} of class {type(dataloader).__name__} is rebuilt as a torch "
+            f"DataLoader (same settings); {fallback} if the subclass changes iteration."
+        )
     batch_size, drop_last = batching
     return DataLoader(dataloader.dataset, batch_size=batch_size, drop_last=drop_last, sampler=sampler, **kept)

@@ -6,14 +6,27 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from parallel.sync_config import (DEFAULT_BUCKET_CAP_MB, GradCompression, GradSyncConfig, GradTransport, SyncMode,
-                                  sync_option_problems)
+from parallel.sync_config import (
+    DEFAULT_BUCKET_CAP_MB,
+    GradCompression,
+    GradSyncConfig,
+    GradTransport,
+    SyncMode,
+    sync_option_problems,
+)
 
-__all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check_init_args", "check_syncbn_group_size", "is_mean_op"]
+__all__ = [
+    "DEFAULT_STALL_TIMEOUT_S",
+    "CustomDDPOptions",
+    "as_timedelta",
+    "check_init_args",
+    "check_syncbn_group_size",
+    "is_mean_op",
+]
 
 
 # Longer than any healthy silence of a main thread outside a collective and outside a declared slow
@@ -22,8 +35,15 @@ __all__ = ["DEFAULT_STALL_TIMEOUT_S", "CustomDDPOptions", "as_timedelta", "check
 # stalled job 6 times sooner than torch's default 30-minute collective timeout.
 DEFAULT_STALL_TIMEOUT_S = 300.0
 
-_BOOLS = ("sync_batchnorm", "syncbn_compile", "zero1", "scatter_eval", "desync_check", "broadcast_buffers",
-          "exact_resume")
+_BOOLS = (
+    "sync_batchnorm",
+    "syncbn_compile",
+    "zero1",
+    "scatter_eval",
+    "desync_check",
+    "broadcast_buffers",
+    "exact_resume",
+)
 
 
 @dataclass(frozen=True)
@@ -34,33 +54,46 @@ class CustomDDPOptions:
     The fields' meanings are in the strategy's docstring and the README's option table."""
 
     sync_batchnorm: bool = True
-    syncbn_group_size: Optional[int] = None
+    syncbn_group_size: int | None = None
     syncbn_compile: bool = False
     sync_mode: SyncMode = "bucketed"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    first_bucket_cap_mb: Optional[float] = None  # by backend: parallel.sync_config.first_bucket_cap_for
-    grad_compression: Optional[GradCompression] = None
+    first_bucket_cap_mb: float | None = None  # by backend: parallel.sync_config.first_bucket_cap_for
+    grad_compression: GradCompression | None = None
     grad_transport: GradTransport = "auto"
     zero1: bool = False
     scatter_eval: bool = True
     desync_check: bool = False
     broadcast_buffers: bool = True
-    stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
     exact_resume: bool = True
 
     def __post_init__(self) -> None:
-        problems = [f"{name}={getattr(self, name)!r} must be a bool" for name in _BOOLS
-                    if not isinstance(getattr(self, name), bool)]
-        problems += sync_option_problems(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb,
-                                         self.grad_compression, self.grad_transport, mode_name="sync_mode")
+        problems = [
+            f"{name}={getattr(self, name)!r} must be a bool"
+            for name in _BOOLS
+            if not isinstance(getattr(self, name), bool)
+        ]
+        problems += sync_option_problems(
+            self.sync_mode,
+            self.bucket_cap_mb,
+            self.first_bucket_cap_mb,
+            self.grad_compression,
+            self.grad_transport,
+            mode_name="sync_mode",
+        )
         problems += _syncbn_problems(self.syncbn_group_size, self.syncbn_compile, self.sync_batchnorm)
         if self.desync_check is True and self.grad_transport == "shared_memory":
-            problems.append("desync_check=True checks the process group's collectives, and grad_transport="
-                            "'shared_memory' sums the gradient buckets outside them, where a desync goes unseen: "
-                            "use grad_transport='auto' (the process group while desync_check is on) or 'process_group'")
+            problems.append(
+                "desync_check=True checks the process group's collectives, and grad_transport="
+                "'shared_memory' sums the gradient buckets outside them, where a desync goes unseen: "
+                "use grad_transport='auto' (the process group while desync_check is on) or 'process_group'"
+            )
         if not _is_stall_timeout(self.stall_timeout):
-            problems.append(f"stall_timeout={self.stall_timeout!r} must be a number of seconds > 0 (default "
-                            f"{DEFAULT_STALL_TIMEOUT_S:g}) or None to never end a job on a stall")
+            problems.append(
+                f"stall_timeout={self.stall_timeout!r} must be a number of seconds > 0 (default "
+                f"{DEFAULT_STALL_TIMEOUT_S:g}) or None to never end a job on a stall"
+            )
         if problems:
             raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
@@ -73,8 +106,9 @@ class CustomDDPOptions:
         Under ``desync_check`` ``"auto"`` is the process group: torch's fingerprint check sees its
         collectives only, and buckets summed in shared memory would pair across steps unchecked."""
         transport = "process_group" if self.desync_check and self.grad_transport == "auto" else self.grad_transport
-        return GradSyncConfig(self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression,
-                              transport)
+        return GradSyncConfig(
+            self.sync_mode, self.bucket_cap_mb, self.first_bucket_cap_mb, self.grad_compression, transport
+        )
 
     @classmethod
     def pick(cls, arguments: Mapping[str, Any]) -> CustomDDPOptions:
@@ -95,24 +129,31 @@ def check_init_args(init_args: Mapping[str, Any]) -> None:
 
 
 def _is_stall_timeout(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
-                             and math.isfinite(value))
+    return value is None or (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+    )
 
 
 def _syncbn_problems(syncbn_group_size: Any, syncbn_compile: Any, sync_batchnorm: Any) -> list[str]:
     """What is wrong with the SyncBN options before the world size is known (see :func:`check_syncbn_group_size`)."""
     problems = []
     if syncbn_compile is True and sync_batchnorm is False:
-        problems.append("syncbn_compile=True needs sync_batchnorm=True (it compiles the SyncBatchNorm kernel); drop it "
-                        "or set sync_batchnorm=True")
+        problems.append(
+            "syncbn_compile=True needs sync_batchnorm=True (it compiles the SyncBatchNorm kernel); drop it "
+            "or set sync_batchnorm=True"
+        )
     if syncbn_group_size is None:
         return problems
     if isinstance(syncbn_group_size, bool) or not isinstance(syncbn_group_size, int) or syncbn_group_size < 1:
-        return problems + [f"syncbn_group_size={syncbn_group_size!r} must be None (all ranks) or an int >= 1 that "
-                           "divides the world size, e.g. 2"]
+        return problems + [
+            f"syncbn_group_size={syncbn_group_size!r} must be None (all ranks) or an int >= 1 that "
+            "divides the world size, e.g. 2"
+        ]
     if sync_batchnorm is False:
-        problems.append(f"syncbn_group_size={syncbn_group_size} needs sync_batchnorm=True (it groups the SyncBatchNorm "
-                        "statistics); drop it or set sync_batchnorm=True")
+        problems.append(
+            f"syncbn_group_size={syncbn_group_size} needs sync_batchnorm=True (it groups the SyncBatchNorm "
+            "statistics); drop it or set sync_batchnorm=True"
+        )
     return problems
 
 
@@ -120,8 +161,10 @@ def check_syncbn_group_size(syncbn_group_size: int, world_size: int) -> None:
     """At setup, once the world size is known: ``syncbn_group_size`` must divide it (same error on every rank)."""
     if world_size % syncbn_group_size:
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
-        raise ValueError(f"CustomDDPStrategy: syncbn_group_size={syncbn_group_size} must divide the world size "
-                         f"{world_size} (SyncBatchNorm groups of consecutive ranks); use one of {divisors}")
+        raise ValueError(
+            f"CustomDDPStrategy: syncbn_group_size={syncbn_group_size} must divide the world size "
+            f"{world_size} (SyncBatchNorm groups of consecutive ranks); use one of {divisors}"
+        )
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
@@ -129,12 +172,16 @@ def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
     if timeout is None:
         return None  # torch's default process-group timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
-        raise TypeError(f"CustomDDPStrategy: timeout={timeout!r} must be a number of seconds or a timedelta, "
-                        "e.g. timeout=1800 or timeout=timedelta(minutes=30).")
+        raise TypeError(
+            f"CustomDDPStrategy: timeout={timeout!r} must be a number of seconds or a timedelta, "
+            "e.g. timeout=1800 or timeout=timedelta(minutes=30)."
+        )
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:  # also rejects NaN
-        raise ValueError(f"CustomDDPStrategy: timeout={timeout!r} must be > 0 seconds (a collective waits that long "
-                         "for a dead peer), e.g. timeout=1800.")
+        raise ValueError(
+            f"CustomDDPStrategy: timeout={timeout!r} must be > 0 seconds (a collective waits that long "
+            "for a dead peer), e.g. timeout=1800."
+        )
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 

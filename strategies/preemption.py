@@ -48,7 +48,7 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import lightning
 import lightning.pytorch as pl
@@ -80,7 +80,7 @@ def stop_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(trainer.default_root_dir, "preempted.ckpt")
 
 
-def _stop_signals(environment: Optional[ClusterEnvironment]) -> list[int]:
+def _stop_signals(environment: ClusterEnvironment | None) -> list[int]:
     """SIGTERM always; SIGINT while it raises KeyboardInterrupt; SIGUSR1 (SLURM's requeue signal)
     where it would kill the process or Lightning's requeue handler (which saves a checkpoint, with
     a barrier, inside the handler) would take it. Handlers a user installed stay."""
@@ -90,20 +90,23 @@ def _stop_signals(environment: Optional[ClusterEnvironment]) -> list[int]:
     env = environment
     if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
         signums.append(env.requeue_signal)
-        rank_zero_info(f"custom_ddp: {signal_name(env.requeue_signal)} stops every rank with a checkpoint; Lightning's "
-                       "SLURM auto-requeue handler is not used: requeue from the batch script with --ckpt_path")
+        rank_zero_info(
+            f"custom_ddp: {signal_name(env.requeue_signal)} stops every rank with a checkpoint; Lightning's "
+            "SLURM auto-requeue handler is not used: requeue from the batch script with --ckpt_path"
+        )
     elif hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
         signums.append(signal.SIGUSR1)
     return signums
 
 
-def _is_popen_child(launcher: Optional["_Launcher"], environment: Optional[ClusterEnvironment], local_rank: int) -> bool:
+def _is_popen_child(launcher: _Launcher | None, environment: ClusterEnvironment | None, local_rank: int) -> bool:
     """Whether this rank was started by Lightning's popen launcher from local rank 0 of its node."""
     # Private class: listed in strategies.lightning_seams, checked at setup.
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    return (isinstance(launcher, _SubprocessScriptLauncher) and type(environment) is LightningEnvironment
-            and local_rank > 0)
+    return (
+        isinstance(launcher, _SubprocessScriptLauncher) and type(environment) is LightningEnvironment and local_rank > 0
+    )
 
 
 def _wait_until_reparented(parent: int, timeout_s: float) -> None:
@@ -136,22 +139,22 @@ class Preemption(Callback):
     def __init__(self) -> None:
         self._recorder = SignalRecorder()
         self._fitting = False
-        self._stop: Optional[tuple[int, ...]] = None  # every rank's signal, agreed at one step
+        self._stop: tuple[int, ...] | None = None  # every rank's signal, agreed at one step
         self._checked = False  # handler verified in place at the first batch of the stage
-        self._trainer: Optional[pl.Trainer] = None
-        self._environment: Optional[ClusterEnvironment] = None
-        self._launcher: Optional["_Launcher"] = None
+        self._trainer: pl.Trainer | None = None
+        self._environment: ClusterEnvironment | None = None
+        self._launcher: _Launcher | None = None
 
     # ------------------------------------------------------------- strategy side
 
-    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment],
-               launcher: Optional["_Launcher"]) -> None:
+    def attach(self, trainer: pl.Trainer, environment: ClusterEnvironment | None, launcher: _Launcher | None) -> None:
         """Join ``trainer``'s callbacks, ahead of the checkpoint callbacks (Lightning keeps those last)."""
         self._stop, self._checked, self._trainer = None, False, trainer
         self._environment, self._launcher = environment, launcher
         if self not in trainer.callbacks:
-            first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),
-                                    len(trainer.callbacks))
+            first_checkpoint = next(
+                (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
+            )
             trainer.callbacks.insert(first_checkpoint, self)
 
     @property
@@ -159,7 +162,7 @@ class Preemption(Callback):
         """This rank's value for the next gradient all-reduce: the signal it got while fitting, else 0."""
         return self._recorder.signum if self._fitting else 0
 
-    def agree(self, status: Optional[tuple[int, ...]]) -> None:
+    def agree(self, status: tuple[int, ...] | None) -> None:
         """Every rank's :attr:`local_status` as the step's all-reduce delivered it: the same on every rank."""
         if self._fitting and status is not None and any(status):
             self._stop = status
@@ -173,10 +176,18 @@ class Preemption(Callback):
         signum = self._recorder.signum
         if signum and self._stop is None:
             # torchrun's agent sends SIGTERM to the survivors of a failed rank: they are already ending on the error.
-            ending = ("was already ending on an error" if trainer.state.status == TrainerStatus.INTERRUPTED
-                      else "finished normally")
-            log.warning("custom_ddp: %s on rank %d arrived after the last point where the ranks could stop "
-                        "together; the %s %s", signal_name(signum), trainer.global_rank, trainer.state.fn.value, ending)
+            ending = (
+                "was already ending on an error"
+                if trainer.state.status == TrainerStatus.INTERRUPTED
+                else "finished normally"
+            )
+            log.warning(
+                "custom_ddp: %s on rank %d arrived after the last point where the ranks could stop together; the %s %s",
+                signal_name(signum),
+                trainer.global_rank,
+                trainer.state.fn.value,
+                ending,
+            )
         self._recorder.restore()
         if self in trainer.callbacks:
             trainer.callbacks.remove(self)
@@ -193,11 +204,15 @@ class Preemption(Callback):
 
         def on_first(signum: int) -> None:
             if self._fitting:  # the strategy hands local_status to the next gradient all-reduce
-                write_stderr(f"custom_ddp: rank {rank} received {signal_name(signum)}: every rank stops after the "
-                             "next optimizer step and saves a checkpoint")
+                write_stderr(
+                    f"custom_ddp: rank {rank} received {signal_name(signum)}: every rank stops after the "
+                    "next optimizer step and saves a checkpoint"
+                )
                 return
-            write_stderr(f"custom_ddp: rank {rank} received {signal_name(signum)} during {trainer.state.fn.value}: "
-                         "stopping after this batch")
+            write_stderr(
+                f"custom_ddp: rank {rank} received {signal_name(signum)} during {trainer.state.fn.value}: "
+                "stopping after this batch"
+            )
             if launcher is not None:
                 launcher.kill(signum)  # the ranks this process started (popen rank 0); a local call
 
@@ -212,7 +227,8 @@ class Preemption(Callback):
                 f"custom_ddp: a signal handler replaced custom_ddp's during {trainer.state.fn.value} (Lightning "
                 f"{lightning.__version__} re-registering its own, or user code): a signal could now desynchronise "
                 "the ranks. Install custom handlers before Trainer.fit, or check strategies/preemption.py "
-                "against this Lightning version.")
+                "against this Lightning version."
+            )
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -237,13 +253,15 @@ class Preemption(Callback):
     # ------------------------------------------------------------- stopping
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._check_installed(trainer)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._stop is not None:
             self._stop_fit(trainer, batch_idx)
 
@@ -256,9 +274,18 @@ class Preemption(Callback):
         trainer.save_checkpoint(path)  # every rank: optimizer-state consolidation and the barrier are collective
         if trainer.is_global_zero:
             got = ", ".join(f"{signal_name(self._stop[r])} on rank {r}" for r in ranks)
-            log.warning("custom_ddp: %s: all %d ranks stopped after optimizer step %d (epoch %d, batch %d); "
-                        "checkpoint %s (resume: --ckpt_path %s); exit status %d", got, trainer.world_size,
-                        trainer.global_step, trainer.current_epoch, batch_idx, path, path, exit_status(signum))
+            log.warning(
+                "custom_ddp: %s: all %d ranks stopped after optimizer step %d (epoch %d, batch %d); "
+                "checkpoint %s (resume: --ckpt_path %s); exit status %d",
+                got,
+                trainer.world_size,
+                trainer.global_step,
+                trainer.current_epoch,
+                batch_idx,
+                path,
+                path,
+                exit_status(signum),
+            )
         _exit_after_parent(self._popen_child(trainer), fitting=True)
         raise StopOnSignal(signum, ranks, path)
 
@@ -270,9 +297,14 @@ class Preemption(Callback):
         signum = self._recorder.signum
         if self._fitting or not signum:
             return
-        log.warning("custom_ddp: %s on rank %d during %s: stopped without a checkpoint (only fit has state to "
-                    "save); exit status %d", signal_name(signum), trainer.global_rank, trainer.state.fn.value,
-                    exit_status(signum))
+        log.warning(
+            "custom_ddp: %s on rank %d during %s: stopped without a checkpoint (only fit has state to "
+            "save); exit status %d",
+            signal_name(signum),
+            trainer.global_rank,
+            trainer.state.fn.value,
+            exit_status(signum),
+        )
         self._stop = (signum,)
         _exit_after_parent(self._popen_child(trainer), fitting=False)
         raise StopOnSignal(signum, [trainer.global_rank], None)

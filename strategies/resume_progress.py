@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -77,14 +77,14 @@ def _several_loaders(trainer: pl.Trainer) -> bool:
 class LoaderResume:
     """One training loader of a resumed fit: how far its first pass skipped, checked at the first batch."""
 
-    def __init__(self, trainer: pl.Trainer, length: int, batch_size: int, reason: Optional[str]) -> None:
+    def __init__(self, trainer: pl.Trainer, length: int, batch_size: int, reason: str | None) -> None:
         self._trainer, self._length, self._batch_size, self.reason = trainer, length, batch_size, reason
-        self.done: Optional[int] = None  # batches of the epoch the first pass left out (None: not begun)
+        self.done: int | None = None  # batches of the epoch the first pass left out (None: not begun)
         self.restored = False  # whether the loop's state had been restored when the first pass began
-        self.pass_epoch: Optional[int] = None  # the epoch whose order the first pass took
+        self.pass_epoch: int | None = None  # the epoch whose order the first pass took
         self.counted_alone = False  # the first pass counted the epoch's batches from this loader alone
-        self.sampler: Optional[ResumeSampler] = None
-        self.before_first_pass: Optional[Callable[[], None]] = None  # called as the first pass begins
+        self.sampler: ResumeSampler | None = None
+        self.before_first_pass: Callable[[], None] | None = None  # called as the first pass begins
 
     def epoch(self) -> int:
         return self._trainer.current_epoch
@@ -97,9 +97,11 @@ class LoaderResume:
         """The first pass began before the checkpoint was restored (its epoch and skip were not known yet), in
         the epoch before (from an epoch's end, Lightning makes the iterator before it counts the epoch done), or
         before Lightning counted the epoch's batches while there are several loaders to count."""
-        return self.done is not None and ((not self.restored and self._loaded())
-                                          or self.pass_epoch != self._trainer.current_epoch
-                                          or (self.counted_alone and _several_loaders(self._trainer)))
+        return self.done is not None and (
+            (not self.restored and self._loaded())
+            or self.pass_epoch != self._trainer.current_epoch
+            or (self.counted_alone and _several_loaders(self._trainer))
+        )
 
     def first_pass_skip(self) -> int:
         """Samples the loader's first pass leaves out: the batches the restored loop counts as done."""
@@ -114,9 +116,11 @@ class LoaderResume:
             epoch_batches = _epoch_batches(self._length, self._trainer.limit_train_batches)
         self.done = resumed_at(self._trainer, epoch_batches)
         if self.done:
-            rank_zero_info(f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
-                           "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
-                           "Lightning's warning that the loader is not resumable does not apply)")
+            rank_zero_info(
+                f"custom_ddp: resuming epoch {self._trainer.current_epoch} at batch {self.done}: the "
+                "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
+                "Lightning's warning that the loader is not resumable does not apply)"
+            )
         # A shorter loader, cycled within the epoch, is that far into its current pass.
         return (self.done % self._length) * self._batch_size if self.done else 0
 
@@ -126,11 +130,14 @@ class LoaderResume:
             return  # set up again before the first batch (reload_dataloaders_every_n_epochs): never iterated
         if self.reason is not None:
             if batch_idx > 0:
-                rank_zero_warn(f"custom_ddp: resuming epoch {epoch} at batch {batch_idx}, but the training loader is "
-                               f"{self.reason}, which cannot resume by index: it starts the epoch over, as under ddp "
-                               f"(its first {batch_idx} batches are trained again).")
+                rank_zero_warn(
+                    f"custom_ddp: resuming epoch {epoch} at batch {batch_idx}, but the training loader is "
+                    f"{self.reason}, which cannot resume by index: it starts the epoch over, as under ddp "
+                    f"(its first {batch_idx} batches are trained again)."
+                )
         elif batch_idx != self.done:
             raise RuntimeError(
                 f"custom_ddp: the training loader resumed epoch {epoch} at batch {self.done}, but Lightning's loop "
                 f"resumed at batch {batch_idx}: its restart bookkeeping differs from this version's (Lightning "
-                f"{pl.__version__}). {FALLBACK}.")
+                f"{pl.__version__}). {FALLBACK}."
+            )

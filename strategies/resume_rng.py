@@ -37,7 +37,7 @@ resumed fits draw from the restart's seed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -50,18 +50,22 @@ __all__ = ["CHECKPOINT_KEY", "redraw_base_seeds", "rng_state_to_restore"]
 CHECKPOINT_KEY = "custom_ddp_rng_states"  # a list: rank r's generators at index r
 
 
-def rng_state_to_restore(checkpoint: dict[str, Any], rank: int, world_size: int) -> Optional[RngState]:
+def rng_state_to_restore(checkpoint: dict[str, Any], rank: int, world_size: int) -> RngState | None:
     """This rank's generators from a resumed checkpoint, or ``None`` (logged) when it cannot have them."""
     states = checkpoint.get(CHECKPOINT_KEY)
     if states is None:
-        rank_zero_info("custom_ddp: the checkpoint holds no random generator states (written by another strategy, "
-                       "with exact_resume=False, or after a rank was lost whose states were not in the job's store): "
-                       "the resumed fit draws from this run's generators, not the interrupted fit's")
+        rank_zero_info(
+            "custom_ddp: the checkpoint holds no random generator states (written by another strategy, "
+            "with exact_resume=False, or after a rank was lost whose states were not in the job's store): "
+            "the resumed fit draws from this run's generators, not the interrupted fit's"
+        )
         return None
     if len(states) != world_size:
-        rank_zero_warn(f"custom_ddp: the checkpoint holds the random generators of {len(states)} ranks, this fit "
-                       f"runs on {world_size}: they are not restored, and the resumed fit's random draws differ "
-                       "from the interrupted fit's")
+        rank_zero_warn(
+            f"custom_ddp: the checkpoint holds the random generators of {len(states)} ranks, this fit "
+            f"runs on {world_size}: they are not restored, and the resumed fit's random draws differ "
+            "from the interrupted fit's"
+        )
         return None
     return states[rank]
 

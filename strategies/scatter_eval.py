@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -56,33 +57,41 @@ _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANI
 
 def _batching(dataloader: object) -> tuple[int, bool] | str:
     """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not."""
-    if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, DistributedSampler) \
-            and dataloader.sampler.num_replicas != 1:
+    if (
+        isinstance(dataloader, DataLoader)
+        and isinstance(dataloader.sampler, DistributedSampler)
+        and dataloader.sampler.num_replicas != 1
+    ):
         return "sharded by a DistributedSampler of your own"
     return index_batching(dataloader)
 
 
 def _warn_fallback(plan: ShardPlan, batch_size: int, limit: int | float) -> None:
-    rank_zero_warn(f"custom_ddp: {plan.num_samples} evaluation samples in batches of {batch_size} with limit "
-                   f"{limit!r} give per-rank batch counts {list(plan.contiguous_batches)}; a rank without a batch "
-                   "would skip the collectives of the others, so this loader uses DistributedSampler's padded "
-                   "layout (some samples count twice, as with Lightning's ddp). Use more samples, a smaller batch "
-                   "size or an int limit to keep each sample once.")
+    rank_zero_warn(
+        f"custom_ddp: {plan.num_samples} evaluation samples in batches of {batch_size} with limit "
+        f"{limit!r} give per-rank batch counts {list(plan.contiguous_batches)}; a rank without a batch "
+        "would skip the collectives of the others, so this loader uses DistributedSampler's padded "
+        "layout (some samples count twice, as with Lightning's ddp). Use more samples, a smaller batch "
+        "size or an int limit to keep each sample once."
+    )
 
 
 def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.device) -> object:
     """This rank's shard of an evaluation ``dataloader`` (see the module docstring). Two collectives."""
     batching = _batching(dataloader)
     if isinstance(batching, str):
-        rank_zero_warn(f"custom_ddp: an evaluation loader is {batching}: it is used as it is, without scatter "
-                       "evaluation (as Lightning's ddp uses it); metrics are exact only if it covers each "
-                       "sample once over all ranks.")
+        rank_zero_warn(
+            f"custom_ddp: an evaluation loader is {batching}: it is used as it is, without scatter "
+            "evaluation (as Lightning's ddp uses it); metrics are exact only if it covers each "
+            "sample once over all ranks."
+        )
         return dataloader
     order = list(dataloader.sampler) if dist.get_rank() == 0 else None  # the identity sampler: the full order
     num_samples = broadcast_count(None if order is None else len(order), device=device)
     limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
-    plan = ShardPlan.decide(num_samples, dist.get_world_size(), batch_size=batching[0], drop_last=batching[1],
-                            limit=limit)
+    plan = ShardPlan.decide(
+        num_samples, dist.get_world_size(), batch_size=batching[0], drop_last=batching[1], limit=limit
+    )
     if plan.layout != "contiguous":
         _warn_fallback(plan, batching[0], limit)
     indices = scatter_shard_indices(None if order is None else plan.shards(order), plan.lengths, device=device)
@@ -91,8 +100,12 @@ def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.devic
 
 def _metrics(trainer: pl.Trainer, module: pl.LightningModule) -> list[Metric]:
     """The torchmetrics of the module, then of the callbacks (their attributes), in a rank-independent order."""
-    owners = [module] + [value for callback in trainer.callbacks for value in getattr(callback, "__dict__", {}).values()
-                         if isinstance(value, torch.nn.Module)]
+    owners = [module] + [
+        value
+        for callback in trainer.callbacks
+        for value in getattr(callback, "__dict__", {}).values()
+        if isinstance(value, torch.nn.Module)
+    ]
     return [metric for owner in owners for metric in owner.modules() if isinstance(metric, Metric)]
 
 
@@ -132,18 +145,22 @@ class ScatterEvaluation:
 
     options: Any  # the strategy's CustomDDPOptions
     _collective_device: torch.device  # the strategy's: CPU for gloo, the rank's device for NCCL
-    _evaluation_run: Optional[_EvaluationRun] = None  # between on_*_start and on_*_end of a scattered run
+    _evaluation_run: _EvaluationRun | None = None  # between on_*_start and on_*_end of a scattered run
 
     @property
-    def _trainer(self) -> Optional[pl.Trainer]:
+    def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
         return None if module is None else module._trainer
 
     def _scatters(self) -> bool:
         """Whether the evaluation loaders being set up now, and their run, are scattered."""
         trainer = self._trainer
-        return (self.options.scatter_eval and trainer is not None and trainer.world_size > 1
-                and trainer.state.stage in _EVAL_STAGES)
+        return (
+            self.options.scatter_eval
+            and trainer is not None
+            and trainer.world_size > 1
+            and trainer.state.stage in _EVAL_STAGES
+        )
 
     @property
     @override
@@ -171,8 +188,9 @@ class ScatterEvaluation:
             batches = trainer.num_test_batches if trainer.testing else trainer.num_val_batches
         if all(math.isfinite(n) for n in batches):  # else no step is known to be a rank's last
             loader_ends = list(itertools.accumulate(int(n) for n in batches))
-            self._evaluation_run = _EvaluationRun(loader_ends, _metrics(trainer, self.lightning_module),
-                                                  self._collective_device)
+            self._evaluation_run = _EvaluationRun(
+                loader_ends, _metrics(trainer, self.lightning_module), self._collective_device
+            )
 
     def _end_run(self) -> None:
         if self._evaluation_run is not None:
@@ -208,15 +226,18 @@ class ScatterEvaluation:
         self._end_run()
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if self._evaluation_run is not None and self._evaluation_run.in_step:
             return tensor  # a step value stays this rank's own; see the module docstring
         # Lightning averages an integer tensor in its own dtype, truncating: ``self.log(...,
         # sync_dist=True)`` divides the synced value sum by the synced (int) ``cumulated_batch_size``,
         # so 6 + 5 samples on 2 ranks give a mean count of 5, not 5.5, and a 10% wrong epoch value.
         # ddp's equal padded shards never show it; uneven evaluation shards do. Average as floats.
-        if (isinstance(tensor, torch.Tensor) and is_mean_op(reduce_op)
-                and not (tensor.is_floating_point() or tensor.is_complex())):
+        if (
+            isinstance(tensor, torch.Tensor)
+            and is_mean_op(reduce_op)
+            and not (tensor.is_floating_point() or tensor.is_complex())
+        ):
             tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group, reduce_op)
 

@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 from strategies.stop_signals import SignalRecorder, exit_status, signal_name, write_stderr
 
@@ -72,11 +72,11 @@ class SignalForwarding:
                 signal.signal(signum, previous)
         _REPLACED.clear()
 
-    def stopped_by(self, exit_code: Optional[int]) -> int:
+    def stopped_by(self, exit_code: int | None) -> int:
         """The stop signal whose status (``128 + signum``) a worker exited with, else 0."""
         return next((s for s in _STOP_SIGNALS if exit_code == exit_status(s)), 0)
 
-    def _forward(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
         workers = [w for w in self._workers() if w.is_alive()] if os.getpid() == _LAUNCHER_PID[0] else []
         if not workers:  # a worker forked a moment ago (before restore_in_worker), or none started yet
             signal.signal(signum, _REPLACED.get(signum, signal.SIG_DFL))
@@ -87,8 +87,9 @@ class SignalForwarding:
             return  # the same Ctrl+C twice (the workers count it once too)
         if not self._received:
             self._received, self._received_at = signum, time.monotonic()
-        write_stderr(f"custom_ddp: the launching process got {signal_name(signum)}: passed on to its "
-                     f"{len(workers)} worker(s)")
+        write_stderr(
+            f"custom_ddp: the launching process got {signal_name(signum)}: passed on to its {len(workers)} worker(s)"
+        )
         for worker in workers:
             os.kill(worker.pid, signum)
         if again:

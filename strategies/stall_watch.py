@@ -31,13 +31,22 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
 from parallel.shm_barrier import proc_stat
 
-__all__ = ["ANSWER_S", "BUSY_FACTOR", "STALL_EXIT_STATUS", "Seen", "StallWatch", "describe_where", "judge", "process_state"]
+__all__ = [
+    "ANSWER_S",
+    "BUSY_FACTOR",
+    "STALL_EXIT_STATUS",
+    "Seen",
+    "StallWatch",
+    "describe_where",
+    "judge",
+    "process_state",
+]
 
 # Exit status of every rank of a job a stalled rank ended: EX_TEMPFAIL of sysexits.h ("temporary
 # failure, retry"), distinct from a crash (1), a usage error (2) and signals (128 + signum).
@@ -61,8 +70,9 @@ def _age(seen: Seen, now: float) -> tuple[float, float]:
     return now - seen.seq_at, now - seen.marks_at
 
 
-def judge(records: list[Optional[dict[str, Any]]], seen: dict[int, Seen], now: float,
-          stall_timeout: float) -> tuple[list[int], str]:
+def judge(
+    records: list[dict[str, Any] | None], seen: dict[int, Seen], now: float, stall_timeout: float
+) -> tuple[list[int], str]:
     """``(stalled ranks, why)`` from the latest records and when each last moved; ``([], "")`` if none."""
     stalled, why = [], []
     for rank, record in enumerate(records):
@@ -80,13 +90,19 @@ def judge(records: list[Optional[dict[str, Any]]], seen: dict[int, Seen], now: f
     if stalled:
         return stalled, "; ".join(why)
     known = [rank for rank, record in enumerate(records) if record is not None and rank in seen]
-    if len(known) == len(records) and all(records[rank].get("collective") for rank in known) and all(
-            _age(seen[rank], now)[1] >= stall_timeout for rank in known):
-        return known, "every rank waits in a collective and none moved: different collectives (a desync) or a hung network"
+    if (
+        len(known) == len(records)
+        and all(records[rank].get("collective") for rank in known)
+        and all(_age(seen[rank], now)[1] >= stall_timeout for rank in known)
+    ):
+        return (
+            known,
+            "every rank waits in a collective and none moved: different collectives (a desync) or a hung network",
+        )
     return [], ""
 
 
-def describe_where(record: Optional[dict[str, Any]]) -> str:
+def describe_where(record: dict[str, Any] | None) -> str:
     if not record:
         return "never reported"
     where = record.get("where") or {}
@@ -117,18 +133,25 @@ class StallWatch:
     returns the report's line on what to resume from.
     """
 
-    def __init__(self, rank: int, world_size: int, stall_timeout: float, identity: dict[str, Any],
-                 main_stack: Callable[[], str],
-                 checkpoint_note: Callable[[Optional[dict[str, Any]], bool], str],
-                 exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        stall_timeout: float,
+        identity: dict[str, Any],
+        main_stack: Callable[[], str],
+        checkpoint_note: Callable[[dict[str, Any] | None, bool], str],
+        exit: Callable[[int], None] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rank, self.world_size, self.stall_timeout = rank, world_size, stall_timeout
         self._identity, self._main_stack, self._checkpoint_note = identity, main_stack, checkpoint_note
         self._exit, self._clock = exit, clock
         self.seen: dict[int, Seen] = {}
-        self._store_failing_since: Optional[float] = None
-        self.last_records: list[Optional[dict[str, Any]]] = [None] * world_size
+        self._store_failing_since: float | None = None
+        self.last_records: list[dict[str, Any] | None] = [None] * world_size
 
-    def observe(self, records: list[Optional[dict[str, Any]]], now: float) -> None:
+    def observe(self, records: list[dict[str, Any] | None], now: float) -> None:
         for rank, record in enumerate(records):
             if record is None:
                 continue
@@ -141,7 +164,7 @@ class StallWatch:
             if record["marks"] != old.marks:
                 old.marks, old.marks_at = record["marks"], now
 
-    def __call__(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
+    def __call__(self, records: list[dict[str, Any] | None], store: dist.Store) -> None:
         now = self._clock()
         self._store_failing_since = None
         self.last_records = records
@@ -156,7 +179,7 @@ class StallWatch:
             verdict = store.compare_set("verdict", "", mine)
         self._act(json.loads(verdict), records, store)
 
-    def _act(self, verdict: dict[str, Any], records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
+    def _act(self, verdict: dict[str, Any], records: list[dict[str, Any] | None], store: dist.Store) -> None:
         stalled = verdict["ranks"]
         healthy = [rank for rank in range(self.world_size) if rank not in stalled]
         reporter = healthy[0] if healthy else 0  # every rank stalled (a desync): rank 0 still reports
@@ -192,8 +215,9 @@ class StallWatch:
             time.sleep(0.1)
         return stacks
 
-    def _kill_silent(self, stalled: list[int], records: list[Optional[dict[str, Any]]],
-                     stacks: dict[int, str]) -> list[int]:
+    def _kill_silent(
+        self, stalled: list[int], records: list[dict[str, Any] | None], stacks: dict[int, str]
+    ) -> list[int]:
         """SIGKILL stalled ranks on this machine that could not answer: a stopped process never exits."""
         killed = []
         for rank in stalled:
@@ -205,20 +229,30 @@ class StallWatch:
                 killed.append(rank)
         return killed
 
-    def report(self, verdict: dict[str, Any], records: list[Optional[dict[str, Any]]], stacks: dict[int, str],
-               killed: list[int], checkpoint_note: str) -> str:
+    def report(
+        self,
+        verdict: dict[str, Any],
+        records: list[dict[str, Any] | None],
+        stacks: dict[int, str],
+        killed: list[int],
+        checkpoint_note: str,
+    ) -> str:
         """The one report rank 0 (the lowest healthy rank) prints."""
         stalled = verdict["ranks"]
         names = ", ".join(map(str, stalled))
-        lines = [f"custom_ddp stall: rank(s) {names} stalled (stall_timeout {self.stall_timeout:g} s): {verdict['why']}; "
-                 f"every rank ends with exit status {STALL_EXIT_STATUS}"]
+        lines = [
+            f"custom_ddp stall: rank(s) {names} stalled (stall_timeout {self.stall_timeout:g} s): {verdict['why']}; "
+            f"every rank ends with exit status {STALL_EXIT_STATUS}"
+        ]
         for rank, record in enumerate(records):
-            silent = f", no progress for {verdict['silent_s'][str(rank)]:.1f} s" if str(rank) in verdict["silent_s"] \
-                else ""
+            silent = (
+                f", no progress for {verdict['silent_s'][str(rank)]:.1f} s" if str(rank) in verdict["silent_s"] else ""
+            )
             tag = "STALLED " if rank in stalled else ""
             last = "last heartbeat: " if rank in stalled and f"rank {rank}: no heartbeat" in verdict["why"] else ""
-            lines.append(f"  {tag}rank {rank} (pid {record['pid'] if record else '?'}): {last}{describe_where(record)}"
-                         f"{silent}")
+            lines.append(
+                f"  {tag}rank {rank} (pid {record['pid'] if record else '?'}): {last}{describe_where(record)}{silent}"
+            )
         for rank in stalled:
             if rank in stacks:
                 lines.append(f"  rank {rank} main thread (innermost last):\n{stacks[rank]}")
@@ -242,8 +276,10 @@ class StallWatch:
         note = self._checkpoint_note(None, state in ("T", "gone", "Z"))
         if state == "T":
             os.kill(host[0]["pid"], signal.SIGKILL)
-        _write(f"custom_ddp stall: rank {self.rank}: the job's store has not answered for "
-               f"{now - self._store_failing_since:.0f} s ({type(error).__name__}): its host (rank 0 under Lightning's "
-               f"launcher, torchrun's agent otherwise) is stopped, frozen or gone (rank 0 process state: {state}"
-               f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {note}")
+        _write(
+            f"custom_ddp stall: rank {self.rank}: the job's store has not answered for "
+            f"{now - self._store_failing_since:.0f} s ({type(error).__name__}): its host (rank 0 under Lightning's "
+            f"launcher, torchrun's agent otherwise) is stopped, frozen or gone (rank 0 process state: {state}"
+            f"{', killed' if state == 'T' else ''}); exit status {STALL_EXIT_STATUS}\n  {note}"
+        )
         self._exit(STALL_EXIT_STATUS)

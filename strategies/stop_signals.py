@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -54,7 +54,7 @@ class StopOnSignal(SIGTERMException):
     status; it cannot know ``ranks`` (empty) nor ``checkpoint`` (``None``): rank 0's line names them.
     """
 
-    def __init__(self, signum: int, ranks: Sequence[int], checkpoint: Optional[str]) -> None:
+    def __init__(self, signum: int, ranks: Sequence[int], checkpoint: str | None) -> None:
         super().__init__(exit_status(signum))
         self.signum = int(signum)
         self.ranks = tuple(ranks)
@@ -86,7 +86,7 @@ class SignalRecorder:
         self._first_at = 0.0
         self._previous: dict[int, Any] = {}
         self._owner_pid = os.getpid()
-        self._on_first: Optional[Callable[[int], None]] = None
+        self._on_first: Callable[[int], None] | None = None
 
     @property
     def signum(self) -> int:
@@ -97,7 +97,7 @@ class SignalRecorder:
     def installed(self) -> bool:
         return bool(self._previous)
 
-    def install(self, signums: Iterable[int], on_first: Optional[Callable[[int], None]] = None) -> None:
+    def install(self, signums: Iterable[int], on_first: Callable[[int], None] | None = None) -> None:
         """Replace the handlers of ``signums`` (main thread only, like Lightning's own handlers)."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal.signal raises elsewhere; Lightning installs nothing there either
@@ -119,7 +119,7 @@ class SignalRecorder:
         self._previous.clear()
         self._on_first = None
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self._owner_pid:
             return  # a forked DataLoader worker: its main process decides when to stop it
         if self._signum:

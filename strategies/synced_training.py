@@ -26,7 +26,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.nn import Module
@@ -46,14 +46,19 @@ class SyncedTraining:
 
     _options: CustomDDPOptions  # the strategy's
     _preemption: Preemption  # the strategy's: owns the stop state the sync carries
-    _timeout: Optional[timedelta]  # DDPStrategy's collective timeout
+    _timeout: timedelta | None  # DDPStrategy's collective timeout
     model: Any  # the strategy's (Lightning's) wrapped module
     lightning_module: Any
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
-        return SyncedDataParallel(model, **asdict(self._options.grad_sync), carry_rank_status=True,
-                                  broadcast_buffers=self._options.broadcast_buffers, timeout=self._timeout)
+        return SyncedDataParallel(
+            model,
+            **asdict(self._options.grad_sync),
+            carry_rank_status=True,
+            broadcast_buffers=self._options.broadcast_buffers,
+            timeout=self._timeout,
+        )
 
     @override
     def configure_ddp(self) -> None:

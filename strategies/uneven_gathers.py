@@ -10,7 +10,7 @@ collectives are :mod:`parallel.uneven_gather`'s.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ class UnevenGathers:
     _collective_device: torch.device  # the strategy's: CPU for gloo, the rank's device for NCCL
 
     @override
-    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         """``ddp``'s result on any shapes: ``world_size`` stacked along dim 0, short ranks padded.
 
         Shapes are exchanged first, so every rank takes the same decision: equal shapes give
@@ -40,16 +40,19 @@ class UnevenGathers:
         """
         if not dist.is_available() or not dist.is_initialized():
             return tensor
-        gathered, padding = all_gather_padded(tensor, group=group, sync_grads=sync_grads,
-                                              device=self._collective_device)
+        gathered, padding = all_gather_padded(
+            tensor, group=group, sync_grads=sync_grads, device=self._collective_device
+        )
         if padding:
-            rank_zero_warn(f"custom_ddp: all_gather of per-rank row counts that differ: {padding} of the "
-                           f"{gathered.shape[0] * gathered.shape[1]} gathered rows are padding (repeats of a rank's "
-                           "own rows, as DistributedSampler pads). To get each sample once, in dataset order, "
-                           "use self.trainer.strategy.all_gather_samples(...).")
+            rank_zero_warn(
+                f"custom_ddp: all_gather of per-rank row counts that differ: {padding} of the "
+                f"{gathered.shape[0] * gathered.shape[1]} gathered rows are padding (repeats of a rank's "
+                "own rows, as DistributedSampler pads). To get each sample once, in dataset order, "
+                "use self.trainer.strategy.all_gather_samples(...)."
+            )
         return gathered
 
-    def all_gather_samples(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+    def all_gather_samples(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Every rank's rows of each tensor in ``data`` once, concatenated in rank order.
 
         Scatter evaluation gives each rank a contiguous shard, so per-sample outputs kept in
@@ -59,5 +62,6 @@ class UnevenGathers:
         """
         if not dist.is_available() or not dist.is_initialized():
             return data
-        return apply_to_collection(data, torch.Tensor, all_gather_rows, group=group, sync_grads=sync_grads,
-                                   device=self._collective_device)
+        return apply_to_collection(
+            data, torch.Tensor, all_gather_rows, group=group, sync_grads=sync_grads, device=self._collective_device
+        )

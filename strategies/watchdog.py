@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -57,14 +57,14 @@ def _batches_processed(trainer: pl.Trainer) -> int:
 class Watchdog(Callback):
     """Heartbeat, progress markers, stall detection and exit causes for one stage at a time."""
 
-    def __init__(self, stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT_S) -> None:
+    def __init__(self, stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.stall_timeout = stall_timeout
         self.progress = Progress()
-        self._heartbeat: Optional[Heartbeat] = None
-        self._watch: Optional[StallWatch] = None
-        self._trainer: Optional[pl.Trainer] = None
-        self._environment: Optional[ClusterEnvironment] = None
-        self._generators: Optional[WindowGenerators] = None  # fitting with exact_resume on 2+ ranks only
+        self._heartbeat: Heartbeat | None = None
+        self._watch: StallWatch | None = None
+        self._trainer: pl.Trainer | None = None
+        self._environment: ClusterEnvironment | None = None
+        self._generators: WindowGenerators | None = None  # fitting with exact_resume on 2+ ranks only
         self._stages = 0
         self.last_checkpoint = LastCheckpoint()  # what rank 0 (or 1) writes when a stall or a failure ends the job
 
@@ -87,8 +87,9 @@ class Watchdog(Callback):
 
     # ------------------------------------------------------------- strategy side
 
-    def attach(self, trainer: pl.Trainer, environment: Optional[ClusterEnvironment], zero1: bool,
-               keep_generators: bool = False) -> None:
+    def attach(
+        self, trainer: pl.Trainer, environment: ClusterEnvironment | None, zero1: bool, keep_generators: bool = False
+    ) -> None:
         """Join the callbacks and start the heartbeat (2+ ranks only); ``keep_generators``: the strategy's
         ``exact_resume`` (a last checkpoint then holds every rank's random generators)."""
         self._stages += 1
@@ -102,14 +103,19 @@ class Watchdog(Callback):
         try:
             store = connect_store(environment.main_address, environment.main_port, prefix)
         except (RuntimeError, OSError, ValueError) as error:  # e.g. a process group the user made on a file:// store
-            log.warning("custom_ddp: no stall watch and no exit causes: cannot reach the job's TCP store at %s:%s (%s)",
-                        environment.main_address, environment.main_port, error)
+            log.warning(
+                "custom_ddp: no stall watch and no exit causes: cannot reach the job's TCP store at %s:%s (%s)",
+                environment.main_address,
+                environment.main_port,
+                error,
+            )
             return
         rank = trainer.global_rank
         heartbeat = Heartbeat(store, rank, trainer.world_size, self.progress, self._on_beat, self._on_store_error)
         timeout = math.inf if self.stall_timeout is None else float(self.stall_timeout)
-        self._watch = StallWatch(rank, trainer.world_size, timeout, heartbeat.identity, heartbeat.main_stack,
-                                 self.checkpoint_note)
+        self._watch = StallWatch(
+            rank, trainer.world_size, timeout, heartbeat.identity, heartbeat.main_stack, self.checkpoint_note
+        )
         self._heartbeat = heartbeat
         heartbeat.start()
         if keep_generators and not zero1 and trainer.state.fn == TrainerFn.FITTING:  # zero1 writes no last checkpoint
@@ -143,7 +149,7 @@ class Watchdog(Callback):
             self._generators.close()
         self._watch = self._generators = None
 
-    def _on_beat(self, records: list[Optional[dict[str, Any]]], store: dist.Store) -> None:
+    def _on_beat(self, records: list[dict[str, Any] | None], store: dist.Store) -> None:
         if self._watch is not None:
             self._watch(records, store)
 
@@ -151,7 +157,7 @@ class Watchdog(Callback):
         if self._watch is not None:
             self._watch.on_store_error(error)
 
-    def checkpoint_note(self, own_record: Optional[dict[str, Any]] = None, rank0_lost: bool = False) -> str:
+    def checkpoint_note(self, own_record: dict[str, Any] | None = None, rank0_lost: bool = False) -> str:
         """Write the last checkpoint if this rank can (:mod:`strategies.last_checkpoint`); the report's line.
         ``own_record``: this rank's heartbeat record now (``None``: read it here)."""
         heartbeat = self._heartbeat
@@ -161,7 +167,7 @@ class Watchdog(Callback):
         parked = own_record is not None and bool(own_record.get("collective")) and not own_record.get("busy")
         return self.last_checkpoint.note(self._trainer, parked, rank0_lost)
 
-    def training_starts(self, trainer: pl.Trainer, generators: Optional[RngState]) -> None:
+    def training_starts(self, trainer: pl.Trainer, generators: RngState | None) -> None:
         """The strategy's ``on_train_start``, after a resume's restore: the first window may begin here, and
         ``generators`` are the ones a checkpoint of this point must hold."""
         if self._generators is not None and generators is not None:
@@ -198,7 +204,7 @@ class Watchdog(Callback):
 
     # ------------------------------------------------------------- progress markers
 
-    def _mark(self, trainer: pl.Trainer, stage: str, batch_idx: Optional[int] = None) -> None:
+    def _mark(self, trainer: pl.Trainer, stage: str, batch_idx: int | None = None) -> None:
         where = {"stage": stage, "epoch": trainer.current_epoch}
         if batch_idx is not None:
             where["batch"] = batch_idx
@@ -206,15 +212,17 @@ class Watchdog(Callback):
         self.progress.mark(**where)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._mark(trainer, "train", batch_idx)
         if self._heartbeat is not None:  # a last checkpoint may be written during this batch
             self.last_checkpoint.batch_started(trainer, pl_module)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.last_checkpoint.batch_ended():
             self._window_may_begin(trainer)
         self._mark(trainer, "train", batch_idx)
@@ -235,43 +243,73 @@ class Watchdog(Callback):
         self.progress.mark(**{**self.progress.where, "optimizer_step": trainer.global_step + 1})
 
     def _eval_mark(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        stage = "sanity check" if trainer.sanity_checking else trainer.state.stage.value if trainer.state.stage \
+        stage = (
+            "sanity check"
+            if trainer.sanity_checking
+            else trainer.state.stage.value
+            if trainer.state.stage
             else "evaluation"
+        )
         self._mark(trainer, stage, batch_idx)
 
     @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                            dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                          batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                               dataloader_idx: int = 0) -> None:
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                             batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_mark(trainer, batch_idx)
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self.last_checkpoint.saving(trainer, checkpoint, self._generators)
 
     # ------------------------------------------------------------- exit causes
@@ -287,8 +325,7 @@ class Watchdog(Callback):
         write_exit_record(heartbeat.store, trainer.global_rank, exception, self.progress.where)
         if not is_peer_loss(exception) or self._watch is None:
             return
-        causes = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records,
-                             heartbeat.identity["host"])
+        causes = peer_causes(heartbeat.store, trainer.global_rank, self._watch.last_records, heartbeat.identity["host"])
         rank0_lost = 0 in causes.lost
         lines = list(causes.lines)
         if trainer.global_rank == self.last_checkpoint.writer(rank0_lost):

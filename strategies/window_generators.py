@@ -39,8 +39,8 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from parallel.rng_state import RngState, decode_rng_state, encode_rng_state, rng_state
 from strategies.job_store import BoundedStore, connect_store, host_store
@@ -66,26 +66,27 @@ class _Destination:
     """A store this rank's newest state goes to, by a thread of its own."""
 
     name: str
-    open: Callable[[], Optional[BoundedStore]]  # on the writer thread, until it gives a store (None: not yet)
-    store: Optional[BoundedStore] = None
-    written: Optional[_Kept] = None  # the newest tried (a store that failed is not asked again for it)
+    open: Callable[[], BoundedStore | None]  # on the writer thread, until it gives a store (None: not yet)
+    store: BoundedStore | None = None
+    written: _Kept | None = None  # the newest tried (a store that failed is not asked again for it)
 
 
 class WindowGenerators:
     """This rank's generators at its newest possible window start, written to the stores by threads."""
 
-    def __init__(self, store: BoundedStore, rank: int, world_size: int,
-                 mirror_toward: Optional[tuple[str, int]] = None) -> None:
+    def __init__(
+        self, store: BoundedStore, rank: int, world_size: int, mirror_toward: tuple[str, int] | None = None
+    ) -> None:
         """``mirror_toward``: the job store's host and port when the store lives in rank 0's process (module
         docstring): rank 1 then hosts the mirror, reachable from there, and every other rank writes to it."""
         self._rank, self._world_size = rank, world_size
         self._points = 0  # points kept so far (the main thread's count)
-        self._kept: Optional[_Kept] = None  # the newest
+        self._kept: _Kept | None = None  # the newest
         self._stopped = False
         self._changed = threading.Condition()
-        self._encoded: tuple[Optional[_Kept], bytes] = (None, b"")  # the newest kept, as the stores' value
+        self._encoded: tuple[_Kept | None, bytes] = (None, b"")  # the newest kept, as the stores' value
         self._encoding = threading.Lock()
-        self._mirror: Optional[BoundedStore] = None  # rank 1's mirror: its server there, a client elsewhere
+        self._mirror: BoundedStore | None = None  # rank 1's mirror: its server there, a client elsewhere
         self._read_from, self._read_name = store, "the job's store"  # where the checkpoint's writer reads its peers
         self._destinations = [_Destination("the job's store", lambda: store)]
         if mirror_toward is not None and rank == _MIRROR_HOST:
@@ -93,10 +94,11 @@ class WindowGenerators:
         elif mirror_toward is not None:
             self._destinations.append(_Destination(f"rank {_MIRROR_HOST}'s mirror", lambda: self._open_mirror(store)))
         for destination in self._destinations:
-            threading.Thread(target=self._write_newest, args=(destination,), daemon=True,
-                             name=f"custom_ddp-rng-{rank}").start()
+            threading.Thread(
+                target=self._write_newest, args=(destination,), daemon=True, name=f"custom_ddp-rng-{rank}"
+            ).start()
 
-    def keep(self, batches_processed: int, state: Optional[RngState] = None) -> None:
+    def keep(self, batches_processed: int, state: RngState | None = None) -> None:
         """A window may begin here, after ``batches_processed`` training batches, with this rank's generators as
         they are now (or as ``state``, the ones a resume to this point restores): keep them, the threads write
         them. Every rank calls it at the same points."""
@@ -111,7 +113,8 @@ class WindowGenerators:
         exits); ``False`` after ``timeout_s`` without."""
         with self._changed:
             return self._changed.wait_for(
-                lambda: self._stopped or all(d.written is self._kept for d in self._destinations), timeout_s)
+                lambda: self._stopped or all(d.written is self._kept for d in self._destinations), timeout_s
+            )
 
     def stop(self) -> None:
         """End the writing threads; what was kept stays readable (this rank may still write the last checkpoint)."""
@@ -125,7 +128,7 @@ class WindowGenerators:
         if self._mirror is not None:
             self._mirror.close()
 
-    def every_rank(self) -> tuple[Optional[list[RngState]], str]:
+    def every_rank(self) -> tuple[list[RngState] | None, str]:
         """Every rank's generators at this rank's newest point, its window's start (and ``""``), or ``None`` and
         why not (a rank wrote none, or an older or newer point, or the store does not answer)."""
         kept = self._kept
@@ -136,9 +139,9 @@ class WindowGenerators:
         store = self._read_from
         try:
             if keys and not store.check(keys):
-                missing = [rank for rank, key in zip(peers, keys) if not store.check([key])]
+                missing = [rank for rank, key in zip(peers, keys, strict=True) if not store.check([key])]
                 return None, f"rank(s) {missing} wrote none to {self._read_name}"
-            values = dict(zip(peers, store.multi_get(keys))) if keys else {}
+            values = dict(zip(peers, store.multi_get(keys), strict=True)) if keys else {}
         except Exception as error:  # noqa: BLE001 - the checkpoint is written without them either way
             return None, f"{self._read_name} did not give them ({type(error).__name__}: {error})"
         states: list[RngState] = []
@@ -148,9 +151,11 @@ class WindowGenerators:
                 continue
             tag = _TAG.unpack_from(values[rank])
             if tag != kept[0]:
-                return None, (f"rank {rank}'s newest are from point {tag[0]} (after {tag[1]} training batches), the "
-                              f"window's from point {kept[0][0]} (after {kept[0][1]})")
-            states.append(decode_rng_state(values[rank][_TAG.size:]))
+                return None, (
+                    f"rank {rank}'s newest are from point {tag[0]} (after {tag[1]} training batches), the "
+                    f"window's from point {kept[0][0]} (after {kept[0][1]})"
+                )
+            states.append(decode_rng_state(values[rank][_TAG.size :]))
         return states, ""
 
     def _host_mirror(self, store: BoundedStore, toward: tuple[str, int]) -> None:
@@ -163,7 +168,7 @@ class WindowGenerators:
         self._read_from, self._read_name = self._mirror, f"rank {_MIRROR_HOST}'s mirror of the job's store"
         log.debug("custom_ddp: rank %d hosts the random generators' mirror at %s", self._rank, address)
 
-    def _open_mirror(self, store: BoundedStore) -> Optional[BoundedStore]:
+    def _open_mirror(self, store: BoundedStore) -> BoundedStore | None:
         """Rank 1's mirror, once its address is published (rank 1 publishes it at setup); ``None`` if stopped."""
         while not self._stopped:
             if store.check([_MIRROR_KEY]):
@@ -193,8 +198,9 @@ class WindowGenerators:
                 if destination.store is not None:
                     destination.store.set(_key(self._rank), self._value(kept))
             except Exception as error:  # noqa: BLE001 - a lost store: the writer finds none and says so
-                log.debug("custom_ddp: rank %d could not write its generators to %s: %s", self._rank,
-                          destination.name, error)
+                log.debug(
+                    "custom_ddp: rank %d could not write its generators to %s: %s", self._rank, destination.name, error
+                )
             with self._changed:
                 destination.written = kept  # tried: a store that failed is not asked again for this state
                 self._changed.notify_all()

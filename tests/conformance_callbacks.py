@@ -67,5 +67,7 @@ class SavePredictions(BasePredictionWriter):
         self.out_dir = out_dir
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
-        torch.save({"predictions": predictions, "batch_indices": batch_indices},
-                   self.out_dir / f"predictions_rank{trainer.global_rank}.pt")
+        torch.save(
+            {"predictions": predictions, "batch_indices": batch_indices},
+            self.out_dir / f"predictions_rank{trainer.global_rank}.pt",
+        )

@@ -8,10 +8,10 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 import torch
+from conformance_data import seeded_random_dataset
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from conformance_data import seeded_random_dataset
 from strategies.custom_ddp import CustomDDPStrategy
 
 WORLD_SIZE = 2
@@ -26,8 +26,16 @@ def ddp_strategy(**kwargs) -> DDPStrategy:
 
 
 def make_trainer(strategy="auto", devices: int = WORLD_SIZE, **kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**options, **kwargs})
 
 

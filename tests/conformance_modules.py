@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from conformance_data import NUM_CLASSES, NUM_FEATURES, IndexedClassification, unpack
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from conformance_data import NUM_CLASSES, NUM_FEATURES, IndexedClassification, unpack
 
 def _eval_metrics() -> nn.ModuleDict:
-    return nn.ModuleDict({"acc": MulticlassAccuracy(NUM_CLASSES, top_k=1, average="micro"),
-                          "loss": MeanMetric(), "count": SumMetric()})
+    return nn.ModuleDict(
+        {"acc": MulticlassAccuracy(NUM_CLASSES, top_k=1, average="micro"), "loss": MeanMetric(), "count": SumMetric()}
+    )
 
 
 class ClassifierModule(pl.LightningModule):
@@ -38,14 +39,24 @@ class ClassifierModule(pl.LightningModule):
     ``sanity_rank{r}.json``.
     """
 
-    def __init__(self, kind: str = "tuple", train_size: int = 16, val_sizes: tuple[int, ...] = (11,),
-                 test_size: int = 11, batch_size: int = 4, eval_batch_size: int = 4, batchnorm: bool = False,
-                 optimizer: str = "sgd", out_dir: Optional[Path] = None) -> None:
+    def __init__(
+        self,
+        kind: str = "tuple",
+        train_size: int = 16,
+        val_sizes: tuple[int, ...] = (11,),
+        test_size: int = 11,
+        batch_size: int = 4,
+        eval_batch_size: int = 4,
+        batchnorm: bool = False,
+        optimizer: str = "sgd",
+        out_dir: Path | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.kind = kind
-        self.net = nn.Sequential(nn.BatchNorm1d(NUM_FEATURES) if batchnorm else nn.Identity(),
-                                 nn.Linear(NUM_FEATURES, NUM_CLASSES))
+        self.net = nn.Sequential(
+            nn.BatchNorm1d(NUM_FEATURES) if batchnorm else nn.Identity(), nn.Linear(NUM_FEATURES, NUM_CLASSES)
+        )
         self.train_set = IndexedClassification(train_size, kind, seed=1)
         self.val_sets = [IndexedClassification(n, kind, seed=10 + i) for i, n in enumerate(val_sizes)]
         self.test_set = IndexedClassification(test_size, kind, seed=20)
@@ -102,9 +113,11 @@ class ClassifierModule(pl.LightningModule):
             expected = trainer.num_sanity_val_batches
         else:
             expected = trainer.num_test_batches if stage == "test" else trainer.num_val_batches
-        record = {"seen": {str(k): v for k, v in self._seen.items()},
-                  "batches": {str(k): v for k, v in self._batches.items()},
-                  "num_batches": [int(n) for n in expected]}
+        record = {
+            "seen": {str(k): v for k, v in self._seen.items()},
+            "batches": {str(k): v for k, v in self._batches.items()},
+            "num_batches": [int(n) for n in expected],
+        }
         (self.out_dir / f"{stage}_rank{self.global_rank}.json").write_text(json.dumps(record))
 
     def configure_optimizers(self) -> Any:
@@ -147,8 +160,7 @@ class SyncDistModule(pl.LightningModule):
         x, y, _ = batch
         losses = F.cross_entropy(self.net(x), y, reduction="none")
         self._losses.extend(losses.tolist())
-        self.log("val_loss", losses.mean(), sync_dist=True, on_step=self.on_step, on_epoch=True,
-                 batch_size=len(y))
+        self.log("val_loss", losses.mean(), sync_dist=True, on_step=self.on_step, on_epoch=True, batch_size=len(y))
 
     def on_validation_epoch_end(self) -> None:
         (self.out_dir / f"losses_rank{self.global_rank}.json").write_text(json.dumps(self._losses))
@@ -224,8 +236,10 @@ class TinyGAN(pl.LightningModule):
 
         self.toggle_optimizer(d_opt)
         fake = self.generator(z).detach()
-        d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
-                  + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)) / 2
+        d_loss = (
+            F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+            + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)
+        ) / 2
         d_opt.zero_grad()
         self.manual_backward(d_loss)
         d_opt.step()
@@ -233,8 +247,10 @@ class TinyGAN(pl.LightningModule):
         self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
 
     def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-        return (torch.optim.Adam(self.generator.parameters(), lr=0.01, betas=(0.5, 0.9)),
-                torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.5))
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=0.01, betas=(0.5, 0.9)),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.5),
+        )
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=4)
@@ -246,8 +262,14 @@ class ConvBNModule(pl.LightningModule):
     def __init__(self, batch_size: int, num_samples: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, bias=False),
-                                 nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            nn.BatchNorm2d(4, bias=False),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 2),
+        )
         generator = torch.Generator().manual_seed(6)
         self.images = torch.randn(num_samples, 3, 5, 5, generator=generator) * 2 + 0.5
         self.labels = torch.randint(0, 2, (num_samples,), generator=generator)
@@ -264,7 +286,7 @@ class ConvBNModule(pl.LightningModule):
         # Sharded by hand (run with use_distributed_sampler=False; Lightning's sampler would
         # shuffle): rank r of W takes samples r, r+W, ..., so global batch t of W ranks is the
         # one-process batch t of W * batch_size samples.
-        samples = list(zip(self.images, self.labels))
+        samples = list(zip(self.images, self.labels, strict=True))
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
         return DataLoader(samples[rank::world_size], batch_size=self.batch_size)
 

@@ -78,7 +78,11 @@ class PredictionsToFile(BasePredictionWriter):
         self._out = out
 
     def write_on_epoch_end(self, trainer: Trainer, pl_module: Any, predictions: Any, batch_indices: Any) -> None:
-        rows = {int(i): p.tolist() for batch, idx in zip(predictions, batch_indices[0]) for i, p in zip(idx, batch)}
+        rows = {
+            int(i): p.tolist()
+            for batch, idx in zip(predictions, batch_indices[0], strict=True)
+            for i, p in zip(idx, batch, strict=True)
+        }
         Path(f"{self._out}.predict{trainer.global_rank}.json").write_text(json.dumps(rows))
 
 
@@ -147,12 +151,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = LoggingBoringModel()
-    callbacks: list[Callback] = [PredictionsToFile(args.out), WeightSharing(args.out),
-                                 *([StrategyPickles()] if args.check_pickle else []),
-                                 *([ReleaseGroup()] if args.release_group else [])]
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=_strategy(args.strategy, args.start_method),
-                      max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    callbacks: list[Callback] = [
+        PredictionsToFile(args.out),
+        WeightSharing(args.out),
+        *([StrategyPickles()] if args.check_pickle else []),
+        *([ReleaseGroup()] if args.release_group else []),
+    ]
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=_strategy(args.strategy, args.start_method),
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
     trainer.fit(model)
     validated = trainer.validate(model, verbose=False)
     tested = trainer.test(model, verbose=False)

@@ -148,6 +148,10 @@ CASES = {
 
 def with_compiled(cases: dict[str, Case]) -> list:
     """``cases`` as they are, then compiled (``slow``: a first compile takes ~20 s)."""
-    return [*(pytest.param(case, id=name) for name, case in cases.items()),
-            *(pytest.param(replace(case, compile=True), id=f"{name}-compiled", marks=pytest.mark.slow)
-              for name, case in cases.items())]
+    return [
+        *(pytest.param(case, id=name) for name, case in cases.items()),
+        *(
+            pytest.param(replace(case, compile=True), id=f"{name}-compiled", marks=pytest.mark.slow)
+            for name, case in cases.items()
+        ),
+    ]

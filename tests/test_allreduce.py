@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from benchmarks.launcher import run_workers
+from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 
 pytestmark = pytest.mark.distributed
 
@@ -51,9 +51,7 @@ def test_matches_all_reduce_and_fp64_mean_identically_on_every_rank(tmp_path, wo
                 for rank in range(1, world_size):
                     assert torch.equal(per_rank[rank][name, dtype, numel], result), (name, rank)
                 torch.testing.assert_close(result.double(), mean, rtol=0, atol=tol)
-                torch.testing.assert_close(
-                    result, per_rank[0]["all_reduce", dtype, numel], rtol=0, atol=tol
-                )
+                torch.testing.assert_close(result, per_rank[0]["all_reduce", dtype, numel], rtol=0, atol=tol)
 
 
 def _non_contiguous_and_subgroups(rank: int, world_size: int) -> dict:

@@ -15,23 +15,40 @@ from benchmarks.launcher import run_workers
 
 # Median step seconds per variant: bucketed is 4 % faster than ddp_tuned, 20 ms above no_comm;
 # one process on all cores takes 0.090 s for one rank's batch.
-_MEDIANS = {"no_comm": 0.100, "single_all_cores": 0.090, "ddp_tuned": 0.125, "ddp_default": 0.150,
-            "bucketed_25mb": 0.120}
+_MEDIANS = {
+    "no_comm": 0.100,
+    "single_all_cores": 0.090,
+    "ddp_tuned": 0.125,
+    "ddp_default": 0.150,
+    "bucketed_25mb": 0.120,
+}
 
 
 def _sample(median_s: float, rng: np.random.Generator, ddp: bool) -> dict[str, Any]:
     rounds = [list(median_s * rng.lognormal(0.0, 0.02, 8)) for _ in range(3)]
-    return {"step_s_by_round": rounds, "finish_s_by_round": [[0.001] * 8 for _ in rounds], "threads": 1,
-            "peak_bytes": 100 * 2**20, "buckets": None if ddp else 3,
-            "collectives": {"counts": {"grad_buckets": 3}, "bytes": {"grad_buckets": 4 * 2**20}},
-            "ddp_settings": {"gradient_as_bucket_view": True} if ddp else None}
+    return {
+        "step_s_by_round": rounds,
+        "finish_s_by_round": [[0.001] * 8 for _ in rounds],
+        "threads": 1,
+        "peak_bytes": 100 * 2**20,
+        "buckets": None if ddp else 3,
+        "collectives": {"counts": {"grad_buckets": 3}, "bytes": {"grad_buckets": 4 * 2**20}},
+        "ddp_settings": {"gradient_as_bucket_view": True} if ddp else None,
+    }
 
 
 def _record(quiet: Quietness) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     steps = {"resnet18": {v: _sample(m, rng, v.startswith("ddp")) for v, m in _MEDIANS.items()}}
-    zero1 = [{"model": "resnet18", "world_size": 2, "param_bytes": 40, "unsharded_bytes": 80,
-              "sharded_bytes_per_rank": [40, 40]}]
+    zero1 = [
+        {
+            "model": "resnet18",
+            "world_size": 2,
+            "param_bytes": 40,
+            "unsharded_bytes": 80,
+            "sharded_bytes_per_rank": [40, 40],
+        }
+    ]
     config = grad_sync.QUICK | {"world_size": 2, "backend": "gloo", "device": "cpu", "optimizer": "SGD"}
     return make_record("grad_sync", config, quiet.finish(), wall_s=1.0, steps=steps, zero1=zero1)
 
@@ -58,8 +75,11 @@ def test_analysis_and_headline_name_their_anchors(quiet_record: dict[str, Any], 
 
     headline = {r["what"]: r for r in grad_sync_report.headline(quiet_record)}
     _assert_estimate(headline["bucketed 25 MiB / ddp tuned: step time, resnet18"]["value"], 0.120 / 0.125, 0.02)
-    _assert_estimate(headline["bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second, resnet18"]
-                     ["value"], 2 * 0.090 / 0.120, 0.05)
+    _assert_estimate(
+        headline["bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second, resnet18"]["value"],
+        2 * 0.090 / 0.120,
+        0.05,
+    )
     assert headline["ZeRO-1: AdamW state of the largest rank / unsharded, 2 ranks (ideal 0.5)"]["value"] == 0.5
     assert all(" / ddp " in what for what in headline if "step time" in what)  # every ratio names its anchor
 
@@ -83,8 +103,7 @@ def test_busy_machine_is_recorded_and_flagged(quiet_record: dict[str, Any], tmp_
 @pytest.mark.distributed
 def test_probe_counts_real_collectives_of_zero1() -> None:
     """One profiled step on 2 ranks: the engine's all-reduce and ZeRO-1's parameter broadcasts."""
-    probes = run_workers(grad_sync.probe_worker, 2, args=("mlp", "bucketed_25mb_zero1", grad_sync.QUICK),
-                         timeout_s=120)
+    probes = run_workers(grad_sync.probe_worker, 2, args=("mlp", "bucketed_25mb_zero1", grad_sync.QUICK), timeout_s=120)
     cfg = grad_sync.QUICK
     elements = cfg["mlp_depth"] * (cfg["mlp_width"] + 1) * cfg["mlp_width"] + (cfg["mlp_width"] + 1) * 100
     tensors = 2 * (cfg["mlp_depth"] + 1)

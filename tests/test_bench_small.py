@@ -1,5 +1,5 @@
-"""The syncbn, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny settings: they run through the
-shared harness and their records carry quietness, CIs for every ratio, threads, and headline rows."""
+"""The syncbn, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny settings: they run
+through the shared harness and their records carry quietness, CIs for every ratio, threads, and headline rows."""
 
 from __future__ import annotations
 
@@ -49,8 +49,14 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     assert (tmp_path / "syncbn.png").exists()
     # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
     (one_rank,) = saved["one_rank_rows"]
-    assert set(one_rank["ratios"]) == {"custom/local", "custom/python_floor", "python_floor/local", "compiled/local",
-                                       "compiled/python_floor", "compiled/custom"}
+    assert set(one_rank["ratios"]) == {
+        "custom/local",
+        "custom/python_floor",
+        "python_floor/local",
+        "compiled/local",
+        "compiled/python_floor",
+        "compiled/custom",
+    }
     assert len(one_rank["samples_s"]["custom"]) == 4
     # The Python autograd.Function floor: what any hand-written kernel pays before its arithmetic.
     floor = next(r for r in saved["headline"] if r["what"].startswith("Python autograd.Function floor"))
@@ -73,13 +79,21 @@ def test_syncbn_takes_the_slowest_rank_per_iteration() -> None:
 def _synthetic_compare_rows(rng: np.random.Generator, cores: int) -> list[dict]:
     rows = []
     for world_size in (2, 4):
-        per_rank = [{1000: {"samples": {m: list(rng.lognormal(0, 0.1, 12) * (2 if m == "ring" else 1))
-                                        for m in allreduce.METHODS},
-                            "accuracy": {m: {"identical": True, "max_abs_err": 1e-7, "rel_err": 5e-8}
-                                         for m in allreduce.METHODS},
-                            "memory": {m: {"torch_alloc_bytes": 4, "extra_peak_bytes": 0}
-                                       for m in allreduce.METHODS}}, "threads": 1}
-                    for _ in range(world_size)]
+        per_rank = [
+            {
+                1000: {
+                    "samples": {
+                        m: list(rng.lognormal(0, 0.1, 12) * (2 if m == "ring" else 1)) for m in allreduce.METHODS
+                    },
+                    "accuracy": {
+                        m: {"identical": True, "max_abs_err": 1e-7, "rel_err": 5e-8} for m in allreduce.METHODS
+                    },
+                    "memory": {m: {"torch_alloc_bytes": 4, "extra_peak_bytes": 0} for m in allreduce.METHODS},
+                },
+                "threads": 1,
+            }
+            for _ in range(world_size)
+        ]
         rows.append(allreduce.compare_row(world_size, 1000, per_rank, cores, 4))
     return rows
 
@@ -96,8 +110,9 @@ def test_allreduce_analysis_report_and_plots(tmp_path: Path) -> None:
     record = make_record("allreduce", cfg, quiet, compare=rows, bandwidth=bandwidth, wall_s=1.0)
     allreduce.write(record, tmp_path)
     saved = _check_saved(tmp_path, [e for r in rows for e in r["ratios"].values()])
-    ring = next(r for r in saved["headline"] if r["what"].startswith("ring / dist.all_reduce") and "2 ranks" in
-                r["what"])
+    ring = next(
+        r for r in saved["headline"] if r["what"].startswith("ring / dist.all_reduce") and "2 ranks" in r["what"]
+    )
     assert ring["target"] == "<= 1.5" and ring["verdict"] == "missed"  # the synthetic ring is 2x slower
     assert "(time-shared cores)" in _whats(saved) and "peak bus bandwidth" in _whats(saved)
     assert "time-shared" in (tmp_path / "results.md").read_text()
@@ -109,8 +124,7 @@ def test_allreduce_analysis_report_and_plots(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_allreduce_compare_on_two_ranks(tmp_path: Path) -> None:
-    cfg = {**allreduce.QUICK, "compare_world_sizes": [2], "compare_numels": [256], "warmup": 1, "rounds": 2,
-           "iters": 2}
+    cfg = {**allreduce.QUICK, "compare_world_sizes": [2], "compare_numels": [256], "warmup": 1, "rounds": 2, "iters": 2}
     (row,) = allreduce.run_compare(cfg, seed=0, cores=2)
     assert len(row["samples_s"]["ring"]) == 4 and row["threads"] == 1
     assert all(row["memory"][m]["extra_peak_bytes"] >= 0 for m in allreduce.METHODS)
@@ -129,7 +143,6 @@ def test_data_pipeline_quick_run(tmp_path: Path) -> None:
     assert (tmp_path / "throughput.png").exists()
 
 
-
 @pytest.mark.distributed
 def test_generator_keeping_quick_run(tmp_path: Path) -> None:
     record = generator_keeping.main(["--quick", "--out", str(tmp_path)])
@@ -139,6 +152,8 @@ def test_generator_keeping_quick_run(tmp_path: Path) -> None:
 
 
 def test_eval_memory_rows_of_the_committed_record():
-    record = json.loads(Path(eval_memory.__file__).with_name("results").joinpath("eval_memory/results.json").read_text())
+    record = json.loads(
+        Path(eval_memory.__file__).with_name("results").joinpath("eval_memory/results.json").read_text()
+    )
     rows = eval_memory.headline(record)
     assert len(rows) == len(record["ranks"]) and all(r["unit"] == "B" and "threads" in r["what"] for r in rows)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import BenchmarkMonitor
+from callbacks.benchmark import SCHEMA
 from measure import memory as memory_mod
 from measure import timing
-from callbacks.benchmark import SCHEMA
 from measure.stats import summarize
 
 CPU = torch.device("cpu")
@@ -94,10 +94,13 @@ def test_step_timer_counts_warmup_across_epochs(monkeypatch):
     assert last.step_s == [1.0, 1.0]  # the first epoch's two steps were the warm-up
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"warmup_steps": -1, "accumulate_grad_batches": 1}, "warmup_steps"),
-    ({"warmup_steps": 0, "accumulate_grad_batches": 0}, "accumulate_grad_batches"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1, "accumulate_grad_batches": 1}, "warmup_steps"),
+        ({"warmup_steps": 0, "accumulate_grad_batches": 0}, "accumulate_grad_batches"),
+    ],
+)
 def test_step_timer_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         timing.StepTimer(CPU, **kwargs)
@@ -165,10 +168,19 @@ class ToyClassifier(LightningModule):
 def _fit(tmp_path: Path, strategy, devices: int, epochs: int = 2) -> dict:
     monitor = BenchmarkMonitor(warmup_steps=1, config={"label": "toy"})
     logger = TensorBoardLogger(save_dir=tmp_path, name="runs", version="toy")
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs,
-                      accumulate_grad_batches=2, logger=logger, callbacks=[monitor],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        logger=logger,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(ToyClassifier())
     path = tmp_path / "runs" / "toy" / "benchmark.json"
     return json.loads(path.read_text())
@@ -200,7 +212,7 @@ def _check_report(report: dict, world_size: int, epochs: int) -> None:
     assert [len(r) for r in raw] == [epochs * steps_per_rank - 1] * world_size
     assert max(statistics.median(r) for r in raw) == pytest.approx(report["summary"]["global"]["step_s_median"])
     micro = report["micro_batch_s_per_rank"]  # accumulate (2) per step, in order: they sum to their step
-    for steps, batches in zip(raw, micro):
+    for steps, batches in zip(raw, micro, strict=True):
         assert len(batches) == 2 * len(steps)
         assert [sum(batches[i : i + 2]) for i in range(0, len(batches), 2)] == pytest.approx(steps)
 
@@ -215,8 +227,14 @@ def test_monitor_single_process_json_and_tensorboard(tmp_path):
     report = _fit(tmp_path, "auto", devices=1)
     _check_report(report, world_size=1, epochs=2)
     scalars = _scalars(tmp_path / "runs" / "toy")
-    for name in ("step_time_s", "epoch_time_s", "samples_per_s", "peak_memory_mb", "peak_above_start_mb",
-                 "data_wait_s"):
+    for name in (
+        "step_time_s",
+        "epoch_time_s",
+        "samples_per_s",
+        "peak_memory_mb",
+        "peak_above_start_mb",
+        "data_wait_s",
+    ):
         assert len(scalars[f"bench/{name}"]) == 2, name
     assert "bench/peak_reserved_mb" not in scalars  # CPU: no allocator reserve
 
@@ -251,9 +269,10 @@ def test_monitor_is_configurable_from_yaml(tmp_path):
     from lightning.pytorch.cli import LightningCLI
 
     config = tmp_path / "bench.yaml"
-    config.write_text("trainer:\n  callbacks:\n    - class_path: callbacks.BenchmarkMonitor\n"
-                      "      init_args: {warmup_steps: 7, prefix: perf/}\n")
-    cli = LightningCLI(ToyClassifier, run=False, args=["--config", str(config),
-                                                       "--trainer.logger=false"])
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: callbacks.BenchmarkMonitor\n"
+        "      init_args: {warmup_steps: 7, prefix: perf/}\n"
+    )
+    cli = LightningCLI(ToyClassifier, run=False, args=["--config", str(config), "--trainer.logger=false"])
     monitors = [c for c in cli.trainer.callbacks if isinstance(c, BenchmarkMonitor)]
     assert len(monitors) == 1 and monitors[0]._warmup_steps == 7 and monitors[0]._prefix == "perf/"

@@ -20,9 +20,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from benchmarks.launcher import run_workers
 from callbacks import CollectiveCounter
 from measure.collective_count import count_collectives
-from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
 from strategies.custom_ddp import CustomDDPStrategy
@@ -35,8 +35,7 @@ WORLD_SIZE, BATCH, SAMPLES, ACCUMULATE = 2, 4, 64, 4  # 8 micro-batches per rank
 def _net(batchnorm: bool) -> nn.Sequential:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d if batchnorm else lambda _: nn.Identity()
-    return nn.Sequential(nn.Linear(8, 16), norm(16), nn.ReLU(), nn.Linear(16, 8), norm(8), nn.ReLU(),
-                         nn.Linear(8, 4))
+    return nn.Sequential(nn.Linear(8, 16), norm(16), nn.ReLU(), nn.Linear(16, 8), norm(8), nn.ReLU(), nn.Linear(8, 4))
 
 
 class _Module(pl.LightningModule):
@@ -44,8 +43,9 @@ class _Module(pl.LightningModule):
         super().__init__()
         self.net = _net(batchnorm)
         generator = torch.Generator().manual_seed(1)
-        self.data = TensorDataset(torch.randn(SAMPLES, 8, generator=generator),
-                                  torch.randint(0, 4, (SAMPLES,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(SAMPLES, 8, generator=generator), torch.randint(0, 4, (SAMPLES,), generator=generator)
+        )
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         inputs, labels = batch
@@ -75,13 +75,27 @@ class _RecordBuckets(pl.Callback):
 
 
 def _fit(tmp_path, strategy, batchnorm: bool, *callbacks) -> list[tuple[list[dict], list[int]]]:
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, accumulate_grad_batches=ACCUMULATE,
-                         callbacks=[CollectiveCounter(tmp_path), _RecordBuckets(tmp_path), *callbacks])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[CollectiveCounter(tmp_path), _RecordBuckets(tmp_path), *callbacks],
+    )
     trainer.fit(_Module(batchnorm))
-    return [(json.loads((tmp_path / f"collectives_rank{r}.json").read_text()),
-             json.loads((tmp_path / f"buckets_rank{r}.json").read_text())) for r in range(WORLD_SIZE)]
+    return [
+        (
+            json.loads((tmp_path / f"collectives_rank{r}.json").read_text()),
+            json.loads((tmp_path / f"buckets_rank{r}.json").read_text()),
+        )
+        for r in range(WORLD_SIZE)
+    ]
 
 
 def _stepping(batch_idx: int) -> bool:
@@ -99,8 +113,11 @@ def test_custom_ddp_counts_per_micro_batch_by_source(tmp_path, sync_batchnorm: b
         batches = [w for w in windows if w["batch_idx"] is not None]
         assert [w["batch_idx"] for w in batches] == list(range(SAMPLES // WORLD_SIZE // BATCH))
         for w in batches:
-            expected = ({"lightning_sigterm": 1, "syncbn_forward": 2, "syncbn_backward": 2} if sync_batchnorm
-                        else {"lightning_sigterm": 1, "buffer_broadcast": 1})
+            expected = (
+                {"lightning_sigterm": 1, "syncbn_forward": 2, "syncbn_backward": 2}
+                if sync_batchnorm
+                else {"lightning_sigterm": 1, "buffer_broadcast": 1}
+            )
             if _stepping(w["batch_idx"]):
                 expected["grad_buckets"] = buckets
             assert w["counts"] == expected, w["batch_idx"]

@@ -21,13 +21,24 @@ _VARIANTS = {k: asdict(v) for k, v in VARIANTS.items()}
 def _timing(scale: dict[str, float]) -> dict:
     """Two rounds per variant of per-step seconds (the slowest rank's) around 0.1 s x ``scale``."""
     base = [0.100, 0.102, 0.098, 0.101]
-    return {"resnet18": {"2": {v: [{"step_s": [t * s for t in base], "threads": 1} for _ in range(2)]
-                               for v, s in scale.items()}}}
+    return {
+        "resnet18": {
+            "2": {v: [{"step_s": [t * s for t in base], "threads": 1} for _ in range(2)] for v, s in scale.items()}
+        }
+    }
 
 
 def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
-    scale = {"custom_ddp": 1.5, "custom_ddp_localbn": 1.2, "ddp_default": 1.25, "ddp_tuned": 1.2,
-             "custom_ddp_bf16": 1.35, "custom_ddp_compiled": 1.32, "single_matched": 1.0, "single": 0.6}
+    scale = {
+        "custom_ddp": 1.5,
+        "custom_ddp_localbn": 1.2,
+        "ddp_default": 1.25,
+        "ddp_tuned": 1.2,
+        "custom_ddp_bf16": 1.35,
+        "custom_ddp_compiled": 1.32,
+        "single_matched": 1.0,
+        "single": 0.6,
+    }
     row = analyse(_timing(scale), _VARIANTS)["resnet18"]["2"]
     assert row["ratios"]["custom_ddp/ddp_tuned"]["value"] == pytest.approx(1.25)
     assert row["ratios"]["custom_ddp/ddp_default"]["value"] == pytest.approx(1.2)
@@ -48,13 +59,25 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     assert row["threads"]["single"] == [1]
 
     accuracy = {"custom_ddp": {"accumulate": 2, "test_acc1": 80.0}, "ddp_default": {"accumulate": 2, "test_acc1": 79.5}}
-    collectives = {"accumulate": 2, "nets": {"resnet18": {"custom_ddp": {"counts": {"grad_buckets": 2},
-                                                                         "bytes": {"grad_buckets": 800}},
-                                                          "custom_ddp_bf16": {"counts": {"grad_buckets": 2},
-                                                                              "bytes": {"grad_buckets": 400}}}}}
-    record = make_record("compare", {}, Quietness(threshold=0.5, waited_s=0.0, load_before=0.1), argv=[],
-                         analysis={"resnet18": {"2": row}}, accuracy=accuracy, collectives=collectives,
-                         variants=_VARIANTS)
+    collectives = {
+        "accumulate": 2,
+        "nets": {
+            "resnet18": {
+                "custom_ddp": {"counts": {"grad_buckets": 2}, "bytes": {"grad_buckets": 800}},
+                "custom_ddp_bf16": {"counts": {"grad_buckets": 2}, "bytes": {"grad_buckets": 400}},
+            }
+        },
+    }
+    record = make_record(
+        "compare",
+        {},
+        Quietness(threshold=0.5, waited_s=0.0, load_before=0.1),
+        argv=[],
+        analysis={"resnet18": {"2": row}},
+        accuracy=accuracy,
+        collectives=collectives,
+        variants=_VARIANTS,
+    )
     rows = {r["what"]: r for r in headline(record)}
     ratio = rows["custom_ddp (SyncBN) / ddp default (local BN): step time, resnet18 net, accumulate 2"]
     assert ratio["value"][0]["value"] == pytest.approx(1.2) and ratio["unit"] == "x"
@@ -64,13 +87,23 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     assert rows["final test top-1 (%), custom_ddp (SyncBN), template net"]["value"] == 80.0
     compiled = rows["custom_ddp (SyncBN, compiled) / ddp tuned (local BN): step time, resnet18 net, accumulate 2"]
     assert compiled["value"][0]["value"] == pytest.approx(1.1)
-    assert "SyncBN share of the custom_ddp (SyncBN, compiled) step (1 - local BN / SyncBN), resnet18 net, " \
-           "accumulate 2" in rows
+    assert (
+        "SyncBN share of the custom_ddp (SyncBN, compiled) step (1 - local BN / SyncBN), resnet18 net, "
+        "accumulate 2" in rows
+    )
 
 
 def test_variants_and_threads():
-    assert variants_for("template") == ["custom_ddp", "custom_ddp_compiled", "custom_ddp_localbn", "custom_ddp_localbn_gloo", "ddp_default",
-                                        "ddp_tuned", "single_matched", "single"]
+    assert variants_for("template") == [
+        "custom_ddp",
+        "custom_ddp_compiled",
+        "custom_ddp_localbn",
+        "custom_ddp_localbn_gloo",
+        "ddp_default",
+        "ddp_tuned",
+        "single_matched",
+        "single",
+    ]
     assert "custom_ddp_bf16" in variants_for("resnet18")
     assert VARIANTS["single_matched"].threads == MATCHED_THREADS and VARIANTS["single"].threads is None
 
@@ -95,8 +128,13 @@ def test_compare_arguments(capsys):
 @pytest.mark.distributed
 def test_compare_end_to_end_quick(tmp_path):
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--out", str(out), "--quick"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--out", str(out), "--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((out / "results.json").read_text())
     assert record["schema"] == SCHEMA and "comparable" in record["quietness"]

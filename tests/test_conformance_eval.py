@@ -14,21 +14,31 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
-from torch.utils.data import DataLoader
-
 from conformance_callbacks import RecordEvalOutputs, SavePredictions
 from conformance_data import BATCH_KINDS, seeded_random_dataset
 from conformance_harness import (
-    BORING_SAMPLES, WORLD_SIZE, assert_each_sample_once, assert_exact, assert_states_close, boring_loader,
-    custom_strategy, ddp_strategy, make_trainer, metrics_of, one_process_trainer, state_of,
+    BORING_SAMPLES,
+    WORLD_SIZE,
+    assert_each_sample_once,
+    assert_exact,
+    assert_states_close,
+    boring_loader,
+    custom_strategy,
+    ddp_strategy,
+    make_trainer,
+    metrics_of,
+    one_process_trainer,
+    state_of,
 )
 from conformance_modules import ClassifierModule, SyncDistModule, read_records
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader
 
 pytestmark = pytest.mark.distributed
 
 
 # ----------------------------------------------------------------------------- BoringModel
+
 
 def test_boring_model_with_its_own_dataloaders_runs_every_entry_point() -> None:
     # The unmodified BoringModel and its own RandomDataset loaders (batch size 1, tensor batches).
@@ -48,11 +58,13 @@ def test_boring_model_evaluates_each_sample_once_with_single_process_outputs(tmp
 
     key = "x" if stage == "validate" else "y"
     getattr(make_trainer(custom_strategy(), callbacks=[RecordEvalOutputs(tmp_path, key)]), stage)(
-        module, dataloaders=loader, verbose=False)
+        module, dataloaders=loader, verbose=False
+    )
     reference_dir = tmp_path / "one"
     reference_dir.mkdir()
     getattr(one_process_trainer(callbacks=[RecordEvalOutputs(reference_dir, key)]), stage)(
-        module, dataloaders=loader, verbose=False)
+        module, dataloaders=loader, verbose=False
+    )
 
     def by_sample(records):
         rows = torch.cat([row for record in records for row in record["rows"]])
@@ -74,14 +86,15 @@ def test_boring_model_predict_has_an_output_for_every_sample_once(tmp_path) -> N
     module = BoringModel()
     dataset = seeded_random_dataset(32, BORING_SAMPLES, 4)
     make_trainer(custom_strategy(), callbacks=[SavePredictions(tmp_path)]).predict(
-        module, dataloaders=DataLoader(dataset, batch_size=5), return_predictions=False)
+        module, dataloaders=DataLoader(dataset, batch_size=5), return_predictions=False
+    )
 
     indices, predictions = [], []
     for rank in range(WORLD_SIZE):
         saved = torch.load(tmp_path / f"predictions_rank{rank}.pt")
         batch_indices = saved["batch_indices"][0]  # one list of batches per dataloader
         assert len(batch_indices) == len(saved["predictions"]) > 0
-        for batch, preds in zip(batch_indices, saved["predictions"]):
+        for batch, preds in zip(batch_indices, saved["predictions"], strict=True):
             assert len(batch) == len(preds)
             indices.extend(batch)
             predictions.append(preds)
@@ -93,22 +106,30 @@ def test_boring_model_predict_has_an_output_for_every_sample_once(tmp_path) -> N
 
 # ----------------------------------------------------------------------------- batch structures
 
+
 @pytest.mark.parametrize("kind", BATCH_KINDS)
 def test_evaluation_on_batch_structure_is_exact(tmp_path, kind: str) -> None:
     # 11 samples in batches of 4 on 2 ranks: every step sees the structure the user's loader makes.
     trainer = make_trainer(custom_strategy())
     val = metrics_of(trainer.validate(ClassifierModule(kind, out_dir=tmp_path), verbose=False)[0])
     test = metrics_of(trainer.test(ClassifierModule(kind, out_dir=tmp_path), verbose=False)[0])
-    assert_exact(val, metrics_of(one_process_trainer().validate(ClassifierModule(kind), verbose=False)[0]),
-                  ["val_acc", "val_loss", "val_count"])
-    assert_exact(test, metrics_of(one_process_trainer().test(ClassifierModule(kind), verbose=False)[0]),
-                  ["test_acc", "test_loss", "test_count"])
+    assert_exact(
+        val,
+        metrics_of(one_process_trainer().validate(ClassifierModule(kind), verbose=False)[0]),
+        ["val_acc", "val_loss", "val_count"],
+    )
+    assert_exact(
+        test,
+        metrics_of(one_process_trainer().test(ClassifierModule(kind), verbose=False)[0]),
+        ["test_acc", "test_loss", "test_count"],
+    )
     assert val["val_count"] == 11 and test["test_count"] == 11
     assert_each_sample_once(read_records(tmp_path, "val"), 0, 11)
     assert_each_sample_once(read_records(tmp_path, "test"), 0, 11)
 
 
 # ----------------------------------------------------------------------------- exact metrics
+
 
 @pytest.mark.parametrize("stage", ["validate", "test", "fit"])
 def test_torchmetrics_on_11_dict_samples_equal_one_process_exactly(tmp_path, stage: str) -> None:
@@ -157,6 +178,7 @@ def test_several_validation_dataloaders_log_exact_metrics_per_loader(tmp_path, e
 
 # ----------------------------------------------------------------------------- sync_dist
 
+
 def test_sync_dist_log_in_validation_step_is_the_mean_for_even_shards(tmp_path) -> None:
     # 8 samples, batches of 2: 4 samples and 2 equal batches per rank.
     (tmp_path / "custom").mkdir(), (tmp_path / "ddp").mkdir(), (tmp_path / "one").mkdir()
@@ -193,6 +215,7 @@ def test_sync_dist_log_in_validation_step_on_uneven_shards_is_exact_and_does_not
 
 # ----------------------------------------------------------------------------- limit_val_batches
 
+
 @pytest.mark.parametrize("limit", [0.5, 2], ids=["fraction", "int"])
 def test_limit_val_batches_runs_the_limited_batches_without_hanging(tmp_path, limit) -> None:
     # 20 validation samples in batches of 2: 10 per rank, 5 batches; limited to 2 per rank.
@@ -215,6 +238,7 @@ def test_limit_val_batches_runs_the_limited_batches_without_hanging(tmp_path, li
 
 # ----------------------------------------------------------------------------- evaluating a loaded model
 
+
 def _trained_checkpoint(tmp_path):
     module = ClassifierModule(batchnorm=True, train_size=24)
     trainer = one_process_trainer(max_epochs=2, limit_val_batches=0)
@@ -226,10 +250,14 @@ def _trained_checkpoint(tmp_path):
 
 def test_validate_from_checkpoint_path_on_a_fresh_module_is_exact(tmp_path) -> None:
     path = _trained_checkpoint(tmp_path)
-    actual = metrics_of(make_trainer(custom_strategy()).validate(ClassifierModule(batchnorm=True, out_dir=tmp_path),
-                                                   ckpt_path=path, verbose=False)[0])
-    expected = metrics_of(one_process_trainer().validate(ClassifierModule(batchnorm=True), ckpt_path=path,
-                                                verbose=False)[0])
+    actual = metrics_of(
+        make_trainer(custom_strategy()).validate(
+            ClassifierModule(batchnorm=True, out_dir=tmp_path), ckpt_path=path, verbose=False
+        )[0]
+    )
+    expected = metrics_of(
+        one_process_trainer().validate(ClassifierModule(batchnorm=True), ckpt_path=path, verbose=False)[0]
+    )
     assert_exact(actual, expected, ["val_acc", "val_loss", "val_count"])
     assert_each_sample_once(read_records(tmp_path, "val"), 0, 11)
     untrained = metrics_of(one_process_trainer().validate(ClassifierModule(batchnorm=True), verbose=False)[0])

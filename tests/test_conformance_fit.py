@@ -10,29 +10,36 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel
-
 from conformance_callbacks import RecordProgress, read_progress
 from conformance_data import BATCH_KINDS
 from conformance_harness import (
-    assert_states_close, assert_trained, boring_loader, custom_strategy, ddp_strategy, fit_state, make_trainer,
+    assert_states_close,
+    assert_trained,
+    boring_loader,
+    custom_strategy,
+    ddp_strategy,
+    fit_state,
+    make_trainer,
     state_of,
 )
 from conformance_modules import ClassifierModule, ConvBNModule, ManualModule, TinyGAN, UnusedParamsModule
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 pytestmark = pytest.mark.distributed
 
 
 # ----------------------------------------------------------------------------- BoringModel
 
+
 def test_boring_model_fit_matches_ddp() -> None:
     # BoringModel's own steps, optimizer and StepLR; validation (with sanity check) each epoch.
     def run(strategy):
         torch.manual_seed(0)
         module = BoringModel()
-        make_trainer(strategy, max_epochs=2).fit(module, train_dataloaders=boring_loader(1, batch_size=2),
-                                              val_dataloaders=boring_loader(2, batch_size=3))
+        make_trainer(strategy, max_epochs=2).fit(
+            module, train_dataloaders=boring_loader(1, batch_size=2), val_dataloaders=boring_loader(2, batch_size=3)
+        )
         return state_of(module)
 
     torch.manual_seed(0)
@@ -45,6 +52,7 @@ def test_boring_model_fit_matches_ddp() -> None:
 
 # ----------------------------------------------------------------------------- batch structures
 
+
 @pytest.mark.parametrize("kind", BATCH_KINDS)
 def test_training_on_batch_structure_matches_ddp(kind: str) -> None:
     options = dict(max_epochs=2, limit_val_batches=0)
@@ -55,6 +63,7 @@ def test_training_on_batch_structure_matches_ddp(kind: str) -> None:
 
 
 # ----------------------------------------------------------------------------- manual optimization
+
 
 def test_manual_optimization_matches_ddp() -> None:
     initial = state_of(ManualModule())
@@ -75,6 +84,7 @@ def test_manual_optimization_two_optimizers_with_toggle_matches_ddp() -> None:
 
 
 # ----------------------------------------------------------------------------- clipping, accumulation
+
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_gradient_clipping_matches_ddp(algorithm: str) -> None:
@@ -102,6 +112,7 @@ def test_accumulation_with_a_remainder_at_epoch_end_matches_ddp(tmp_path) -> Non
 
 
 # ----------------------------------------------------------------------------- checkpointing
+
 
 def test_checkpoint_resume_continues_like_an_uninterrupted_run(tmp_path) -> None:
     # AdamW + per-step StepLR + BatchNorm running stats: all must survive the checkpoint. (No
@@ -135,6 +146,7 @@ def test_checkpoint_resume_continues_like_an_uninterrupted_run(tmp_path) -> None
 
 # ----------------------------------------------------------------------------- BatchNorm2d(bias=False)
 
+
 def test_batchnorm2d_without_bias_matches_one_process_on_the_global_batch() -> None:
     # Per rank 4 images a step, 2 steps; one process: the same 8 images a step.
     actual = fit_state(ConvBNModule(batch_size=4), custom_strategy(), max_steps=2, use_distributed_sampler=False)
@@ -147,6 +159,7 @@ def test_batchnorm2d_without_bias_matches_one_process_on_the_global_batch() -> N
 
 
 # ----------------------------------------------------------------------------- unused parameters
+
 
 def test_unused_parameters_train_and_match_ddp_find_unused() -> None:
     initial = state_of(UnusedParamsModule())

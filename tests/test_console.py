@@ -31,14 +31,27 @@ def _messages(trigger: Callable[[], None], quiet: Callable[[], None] | None) -> 
 
 @pytest.mark.parametrize(
     ("trigger", "quiet", "words", "module", "category"),
-    [(_leafspec_from_lightning, quiet_leafspec_deprecation, "`isinstance(treespec, LeafSpec)` is deprecated",
-      "lightning.pytorch.utilities._pytree", FutureWarning),
-     (_dirpath_change_from_lightning, quiet_checkpoint_dirpath_warning, "The dirpath has changed from",
-      "lightning.pytorch.callbacks.model_checkpoint", UserWarning)],
+    [
+        (
+            _leafspec_from_lightning,
+            quiet_leafspec_deprecation,
+            "`isinstance(treespec, LeafSpec)` is deprecated",
+            "lightning.pytorch.utilities._pytree",
+            FutureWarning,
+        ),
+        (
+            _dirpath_change_from_lightning,
+            quiet_checkpoint_dirpath_warning,
+            "The dirpath has changed from",
+            "lightning.pytorch.callbacks.model_checkpoint",
+            UserWarning,
+        ),
+    ],
     ids=["leafspec", "checkpoint-dirpath"],
 )
-def test_the_warning_is_dropped_at_its_source_and_kept_elsewhere(trigger, quiet, words: str, module: str,
-                                                                 category: type[Warning]) -> None:
+def test_the_warning_is_dropped_at_its_source_and_kept_elsewhere(
+    trigger, quiet, words: str, module: str, category: type[Warning]
+) -> None:
     assert any(message.startswith(words) for message in _messages(trigger, None))  # the pinned versions emit it
     assert _messages(trigger, quiet) == []
     # The same words from another module, or as another category, still print.

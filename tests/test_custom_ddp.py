@@ -32,15 +32,17 @@ pytestmark = pytest.mark.distributed
 class ToyModule(pl.LightningModule):
     """A small MLP (optionally with BatchNorm) on fixed random data; momentum SGD, decaying LR."""
 
-    def __init__(self, batchnorm: bool = False, batch_size: int = 4, num_samples: int = 48, fail_at=None,
-                 optimizer: str = "sgd") -> None:
+    def __init__(
+        self, batchnorm: bool = False, batch_size: int = 4, num_samples: int = 48, fail_at=None, optimizer: str = "sgd"
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
         self.net = nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 4))
         generator = torch.Generator().manual_seed(1)
-        self.data = TensorDataset(torch.randn(num_samples, 8, generator=generator),
-                                  torch.randint(0, 4, (num_samples,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(num_samples, 8, generator=generator), torch.randint(0, 4, (num_samples,), generator=generator)
+        )
         self.batch_size = batch_size
         self.fail_at = fail_at  # (rank, batch_idx) that raises
         self.optimizer = optimizer
@@ -68,9 +70,17 @@ class ToyModule(pl.LightningModule):
 
 
 def _trainer(strategy, devices: int = WORLD_SIZE, **kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   use_distributed_sampler=False)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     return pl.Trainer(**{**options, **kwargs})
 
 
@@ -94,8 +104,9 @@ def _custom(**kwargs) -> CustomDDPStrategy:
 )
 def test_matches_lightning_ddp_without_batchnorm(accumulate: int, zero1: bool, optimizer: str) -> None:
     initial = ToyModule().state_dict()
-    expected = _fit(ToyModule(optimizer=optimizer), DDPStrategy(start_method="fork"),
-                    accumulate_grad_batches=accumulate)
+    expected = _fit(
+        ToyModule(optimizer=optimizer), DDPStrategy(start_method="fork"), accumulate_grad_batches=accumulate
+    )
     actual = _fit(ToyModule(optimizer=optimizer), _custom(zero1=zero1), accumulate_grad_batches=accumulate)
     _assert_states_close(actual, expected)
     assert not torch.equal(actual["net.0.weight"], initial["net.0.weight"])  # it did train
@@ -139,8 +150,13 @@ class _CountGradCollectives(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._profiler.__exit__(None, None, None)
-        self.counts.append(sum(e.count for e in self._profiler.key_averages()  # gloo's, or shared-memory launches
-                               if e.key == "c10d::allreduce_" or parse_launch_label(e.key)))
+        self.counts.append(
+            sum(
+                e.count
+                for e in self._profiler.key_averages()  # gloo's, or shared-memory launches
+                if e.key == "c10d::allreduce_" or parse_launch_label(e.key)
+            )
+        )
 
     def on_train_end(self, trainer, pl_module) -> None:
         record = {"counts": self.counts, "buckets": len(trainer.strategy.model.buckets)}
@@ -163,8 +179,7 @@ def test_resume_from_mid_training_checkpoint_matches_uninterrupted_run(tmp_path,
     def run(ckpt_path=None, dirpath=None):
         callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1)] if dirpath else []
         module = ToyModule(num_samples=24)  # 3 optimizer steps per epoch
-        trainer = _trainer(_custom(zero1=zero1), max_epochs=2, enable_checkpointing=bool(dirpath),
-                           callbacks=callbacks)
+        trainer = _trainer(_custom(zero1=zero1), max_epochs=2, enable_checkpointing=bool(dirpath), callbacks=callbacks)
         trainer.fit(module, ckpt_path=ckpt_path)
         return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
@@ -211,10 +226,17 @@ def test_registered_by_name_with_ddp_defaults() -> None:
     strategy = pl.Trainer(strategy="custom_ddp", accelerator="cpu", devices=2, logger=False).strategy
     assert isinstance(strategy, CustomDDPStrategy) and strategy._start_method == "popen"
     options = strategy.options
-    assert (options.sync_batchnorm, options.sync_mode, options.bucket_cap_mb, options.zero1,
-            options.scatter_eval) == (True, "bucketed", 25.0, False, True)
+    assert (options.sync_batchnorm, options.sync_mode, options.bucket_cap_mb, options.zero1, options.scatter_eval) == (
+        True,
+        "bucketed",
+        25.0,
+        False,
+        True,
+    )
     for start_method in ("fork", "spawn"):
-        strategy = pl.Trainer(strategy=f"custom_ddp_{start_method}", accelerator="cpu", devices=2, logger=False).strategy
+        strategy = pl.Trainer(
+            strategy=f"custom_ddp_{start_method}", accelerator="cpu", devices=2, logger=False
+        ).strategy
         assert isinstance(strategy, CustomDDPStrategy) and strategy._start_method == start_method
 
 

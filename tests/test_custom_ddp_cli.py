@@ -27,14 +27,24 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.distributed
 def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
     command = [
-        sys.executable, "train.py", "fit", "--config", "configs/custom_ddp_cpu.yaml",
+        sys.executable,
+        "train.py",
+        "fit",
+        "--config",
+        "configs/custom_ddp_cpu.yaml",
         "--trainer.strategy=custom_ddp",
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=4",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
-        f"--data.data_dir={tmp_path / 'data'}", "--data.dataset=synthetic",
-        "--data.synthetic_train_size=512", "--data.synthetic_test_size=64",
-        "--data.batch_size=16", "--data.eval_batch_size=32",
+        f"--data.data_dir={tmp_path / 'data'}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_train_size=512",
+        "--data.synthetic_test_size=64",
+        "--data.batch_size=16",
+        "--data.eval_batch_size=32",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
@@ -47,28 +57,50 @@ def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_predict_on_two_processes_by_registered_name_with_options(tmp_path: Path, data_dir: Path,
-                                                                  tiny_datamodule) -> None:
+def test_predict_on_two_processes_by_registered_name_with_options(
+    tmp_path: Path, data_dir: Path, tiny_datamodule
+) -> None:
     """``train.py predict`` with ``custom_ddp`` + an option (the popen child re-parses the same argv):
     the merged file equals one process's predictions row for row; per-rank files split the rows."""
     datamodule = tiny_datamodule()
     model = LitClassifier(net="template")
     checkpoint = tmp_path / "model.ckpt"
-    trainer = Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, datamodule=datamodule)
     trainer.save_checkpoint(checkpoint)
     per_rank = tmp_path / "parts" / "preds.pt"
     command = [
-        sys.executable, "train.py", "predict", "--config", "configs/quickstart.yaml", f"--ckpt_path={checkpoint}",
-        "--trainer.devices=2", "--trainer.strategy=custom_ddp", "--trainer.strategy.sync_mode=flat",
-        "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        sys.executable,
+        "train.py",
+        "predict",
+        "--config",
+        "configs/quickstart.yaml",
+        f"--ckpt_path={checkpoint}",
+        "--trainer.devices=2",
+        "--trainer.strategy=custom_ddp",
+        "--trainer.strategy.sync_mode=flat",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
         # Two writers: the default merged one, and one file per rank elsewhere.
         "--trainer.callbacks+=PredictionWriter",
-        "--trainer.callbacks+=PredictionWriter", "--trainer.callbacks.merge=false",
+        "--trainer.callbacks+=PredictionWriter",
+        "--trainer.callbacks.merge=false",
         f"--trainer.callbacks.output_path={per_rank}",
-        f"--data.data_dir={data_dir}", "--data.dataset=synthetic", "--data.synthetic_train_size=400",
-        "--data.synthetic_test_size=200", "--data.val_size=100", "--data.eval_batch_size=30",
+        f"--data.data_dir={data_dir}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_train_size=400",
+        "--data.synthetic_test_size=200",
+        "--data.val_size=100",
+        "--data.eval_batch_size=30",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
@@ -95,8 +127,12 @@ def test_predict_on_two_processes_by_registered_name_with_options(tmp_path: Path
 
 @pytest.mark.parametrize(
     ("timeout", "expected"),
-    [(90, timedelta(seconds=90)), (2.5, timedelta(seconds=2.5)), (timedelta(minutes=5), timedelta(minutes=5)),
-     (None, None)],
+    [
+        (90, timedelta(seconds=90)),
+        (2.5, timedelta(seconds=2.5)),
+        (timedelta(minutes=5), timedelta(minutes=5)),
+        (None, None),
+    ],
 )
 def test_timeout_takes_seconds_or_a_timedelta(timeout, expected) -> None:
     assert CustomDDPStrategy(timeout=timeout)._timeout == expected
@@ -104,9 +140,14 @@ def test_timeout_takes_seconds_or_a_timedelta(timeout, expected) -> None:
 
 @pytest.mark.parametrize(
     ("timeout", "error", "match"),
-    [(0, ValueError, "timeout=0 must be > 0 seconds"), (-5.0, ValueError, "timeout=-5.0 must be > 0"),
-     (timedelta(0), ValueError, "must be > 0"), (float("nan"), ValueError, "must be > 0"),
-     ("30", TypeError, "timeout='30' must be a number of seconds or a timedelta"), (True, TypeError, "timeout=True")],
+    [
+        (0, ValueError, "timeout=0 must be > 0 seconds"),
+        (-5.0, ValueError, "timeout=-5.0 must be > 0"),
+        (timedelta(0), ValueError, "must be > 0"),
+        (float("nan"), ValueError, "must be > 0"),
+        ("30", TypeError, "timeout='30' must be a number of seconds or a timedelta"),
+        (True, TypeError, "timeout=True"),
+    ],
 )
 def test_bad_timeout_is_rejected_with_the_fix(timeout, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -53,9 +53,14 @@ class EvalModule(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Linear(4, 3)
         self.out_dir = out_dir
-        self.metrics = nn.ModuleDict({"acc1": MulticlassAccuracy(3, top_k=1, average="micro"),
-                                      "acc2": MulticlassAccuracy(3, top_k=2, average="micro"),
-                                      "loss": MeanMetric(), "count": SumMetric()})
+        self.metrics = nn.ModuleDict(
+            {
+                "acc1": MulticlassAccuracy(3, top_k=1, average="micro"),
+                "acc2": MulticlassAccuracy(3, top_k=2, average="micro"),
+                "loss": MeanMetric(),
+                "count": SumMetric(),
+            }
+        )
         self.seen: list[int] = []
 
     def _evaluate(self, batch, stage: str) -> None:
@@ -120,8 +125,16 @@ class _CountEvalCollectives(Callback):
 
 
 def _trainer(strategy, devices: int = 2, **kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, max_epochs=1,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        max_epochs=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**options, **kwargs})
 
 

@@ -148,7 +148,9 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
     path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
 
 
-@pytest.mark.parametrize(("name", "stage", "keep"), [("train", "fit", 0.5), ("test", "test", 0.01), ("meta", "fit", 0.0)])
+@pytest.mark.parametrize(
+    ("name", "stage", "keep"), [("train", "fit", 0.5), ("test", "test", 0.01), ("meta", "fit", 0.0)]
+)
 def test_damaged_synthetic_pickle_names_the_file_and_the_fix(damaged_copy, name: str, stage: str, keep: float) -> None:
     dm, folder = damaged_copy
     original = dm.synthetic_root
@@ -170,7 +172,9 @@ def test_damaged_synthetic_pickle_names_the_file_and_the_fix(damaged_copy, name:
 def test_corrupt_synthetic_marker_names_the_file_and_the_fix(damaged_copy) -> None:
     dm, folder = damaged_copy
     (folder / "SYNTHETIC.json").write_text('{"format_version": 1, "train_si')
-    with pytest.raises(RuntimeError, match=r"cannot read .*SYNTHETIC\.json: the file is truncated or corrupt \(JSONDecodeError") as err:
+    with pytest.raises(
+        RuntimeError, match=r"cannot read .*SYNTHETIC\.json: the file is truncated or corrupt \(JSONDecodeError"
+    ) as err:
         dm.prepare_data()
     assert f"delete {folder} and run again" in str(err.value)
     assert "add the --train-size/--test-size/--seed it was written with" in str(err.value)  # settings unknown
@@ -199,8 +203,12 @@ def test_random_crop_is_a_per_image_padded_crop() -> None:
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     offsets = set()
     for i in range(len(images)):
-        matches = [(dy, dx) for dy in range(9) for dx in range(9)
-                   if torch.equal(out[i], padded[i, :, dy:dy + 32, dx:dx + 32])]
+        matches = [
+            (dy, dx)
+            for dy in range(9)
+            for dx in range(9)
+            if torch.equal(out[i], padded[i, :, dy : dy + 32, dx : dx + 32])
+        ]
         assert matches, f"image {i} is not a crop of its padded original"
         offsets.add(matches[0])
     assert len(offsets) > 10  # independent offsets per image, not one per batch
@@ -210,8 +218,8 @@ def test_random_crop_is_a_per_image_padded_crop() -> None:
 def test_random_flip_flips_some_images() -> None:
     images = _images()
     out = transforms.random_flip(images, generator=torch.Generator().manual_seed(2))
-    flipped = torch.tensor([torch.equal(o, i.flip(-1)) for o, i in zip(out, images)])
-    kept = torch.tensor([torch.equal(o, i) for o, i in zip(out, images)])
+    flipped = torch.tensor([torch.equal(o, i.flip(-1)) for o, i in zip(out, images, strict=True)])
+    kept = torch.tensor([torch.equal(o, i) for o, i in zip(out, images, strict=True)])
     assert bool((flipped | kept).all()) and 0 < int(flipped.sum()) < len(images)
 
 

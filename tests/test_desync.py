@@ -7,7 +7,6 @@ come from the committed ``benchmarks/results/desync_cost`` record (``tests/test_
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,26 +39,39 @@ def test_only_torchs_mismatch_report_counts_as_a_desync() -> None:
 
 
 # torch 2.14's texts, as two ranks of an LBFGS line search (one closure more on rank 1) raised them.
-_SEEN_BY_RANK_1 = ("Detected mismatch between collectives on ranks. Rank 1 is running collective: CollectiveFingerPrint("
-                   "SequenceNumber=26, OpType=ALLREDUCE, TensorShape=[89], TensorDtypes=Double, TensorDeviceTypes="
-                   "TensorOptions(dtype=float (default), device=cpu)), but Rank 0 is running collective: "
-                   "CollectiveFingerPrint(SequenceNumber=26, OpType=BROADCAST, TensorShape=[1], TensorDtypes=Long, "
-                   "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu)).")
+_SEEN_BY_RANK_1 = (
+    "Detected mismatch between collectives on ranks. Rank 1 is running collective: CollectiveFingerPrint("
+    "SequenceNumber=26, OpType=ALLREDUCE, TensorShape=[89], TensorDtypes=Double, TensorDeviceTypes="
+    "TensorOptions(dtype=float (default), device=cpu)), but Rank 0 is running collective: "
+    "CollectiveFingerPrint(SequenceNumber=26, OpType=BROADCAST, TensorShape=[1], TensorDtypes=Long, "
+    "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu))."
+)
 _SEEN_BY_RANK_0 = "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 60000 ms"
 
 
-@pytest.mark.parametrize(("text", "added"), [
-    (_SEEN_BY_RANK_1, "; torch saw rank 0 issue broadcast(int64[1])"),
-    ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
-     "SequenceNumber=31, OpType=ALLREDUCE, TensorShape=[16], TensorDtypes=Float), but Rank 1 is running collective: "
-     "CollectiveFingerPrint(SequenceNumber=31OpType=BARRIER).", "; torch saw rank 1 issue barrier()"),
-    # The fault matrix's rank-0-only barrier: torch names its check's own gather (sequence 0), not rank 1's all_reduce.
-    ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
-     "SequenceNumber=92OpType=BARRIER), but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=0"
-     "OpType=GATHER).", ""),
-    (_SEEN_BY_RANK_0, " (where it found a peer gone; the mismatch is in the peer's line)"),
-    ("Connection closed by peer", ""),
-])
+@pytest.mark.parametrize(
+    ("text", "added"),
+    [
+        (_SEEN_BY_RANK_1, "; torch saw rank 0 issue broadcast(int64[1])"),
+        (
+            "Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+            "SequenceNumber=31, OpType=ALLREDUCE, TensorShape=[16], TensorDtypes=Float), but Rank 1 is running "
+            "collective: "
+            "CollectiveFingerPrint(SequenceNumber=31OpType=BARRIER).",
+            "; torch saw rank 1 issue barrier()",
+        ),
+        # The fault matrix's rank-0-only barrier: torch names its check's own gather (sequence 0), not rank 1's
+        # all_reduce.
+        (
+            "Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+            "SequenceNumber=92OpType=BARRIER), but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=0"
+            "OpType=GATHER).",
+            "",
+        ),
+        (_SEEN_BY_RANK_0, " (where it found a peer gone; the mismatch is in the peer's line)"),
+        ("Connection closed by peer", ""),
+    ],
+)
 def test_a_ranks_line_adds_what_torch_saw_of_the_peer(text: str, added: str) -> None:
     wrapped = RuntimeError("backward failed")
     wrapped.__cause__ = RuntimeError(text)  # the text may come chained

@@ -21,10 +21,16 @@ from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-from conformance.patterns import NUM_SAMPLES, CallbackAUROC, IteratorStepsModule, PatternModule, \
-    ValidateInsideFit, dataset
-from measure.collective_count import count_collectives
 from benchmarks.launcher import run_workers
+from conformance.patterns import (
+    NUM_SAMPLES,
+    CallbackAUROC,
+    IteratorStepsModule,
+    PatternModule,
+    ValidateInsideFit,
+    dataset,
+)
+from measure.collective_count import count_collectives
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.scatter_eval import shard_loader
 
@@ -35,8 +41,16 @@ NOT_DATASET_DEFINED = {"local_acc", "mean_state", "running_mean"}
 
 
 def _trainer(strategy="auto", devices: int = 2, **kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, max_epochs=1,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        max_epochs=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**options, **kwargs})
 
 
@@ -162,8 +176,9 @@ class _FrozenAUROC(pl.LightningModule):
 
     def on_train_end(self) -> None:
         if self.global_rank == 0:  # where it stopped, in optimizer steps per rank
-            (self.out_dir / "stopped.json").write_text(json.dumps([self.trainer.current_epoch,
-                                                                   self.trainer.global_step]))
+            (self.out_dir / "stopped.json").write_text(
+                json.dumps([self.trainer.current_epoch, self.trainer.global_step])
+            )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
@@ -177,8 +192,14 @@ class _FrozenAUROC(pl.LightningModule):
 
 def test_mid_epoch_validation_with_early_stopping_on_a_cat_state_metric_stops_like_one_process(tmp_path) -> None:
     def run(strategy, devices: int) -> tuple[dict, list]:
-        trainer = _trainer(strategy, devices=devices, max_epochs=5, val_check_interval=0.5, num_sanity_val_steps=0,
-                           callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=2)])
+        trainer = _trainer(
+            strategy,
+            devices=devices,
+            max_epochs=5,
+            val_check_interval=0.5,
+            num_sanity_val_steps=0,
+            callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=2)],
+        )
         trainer.fit(_FrozenAUROC(tmp_path))
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
         return metrics, json.loads((tmp_path / "stopped.json").read_text())

@@ -67,16 +67,31 @@ class Recorder(pl.LightningModule):
         torch.save({"state": state, "seen": self.seen}, self.out / f"rank{self.global_rank}.pt")
 
 
-def _fit(strategy: Any, out: Path, ckpt_path: Path | None = None, module: type[Recorder] | None = None,
-         by_epoch: bool = False) -> list[dict[str, Any]]:
+def _fit(
+    strategy: Any,
+    out: Path,
+    ckpt_path: Path | None = None,
+    module: type[Recorder] | None = None,
+    by_epoch: bool = False,
+) -> list[dict[str, Any]]:
     """A fit that checkpoints every 2 optimizer steps (``step=S.ckpt``), or at each epoch's end (``epoch=E.ckpt``)."""
     out.mkdir(parents=True)
     pl.seed_everything(0, verbose=False)
-    every = {"filename": "{epoch}", "every_n_epochs": 1} if by_epoch else {"filename": "{step}", "every_n_train_steps": 2}
+    every = (
+        {"filename": "{epoch}", "every_n_epochs": 1} if by_epoch else {"filename": "{step}", "every_n_train_steps": 2}
+    )
     checkpoints = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, **every)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
-                         accumulate_grad_batches=ACCUMULATE, callbacks=[checkpoints], enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=False,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[checkpoints],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit((module or Recorder)(out), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
@@ -89,8 +104,9 @@ def _ddp() -> DDPStrategy:
     return DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
 
 
-def _assert_trained_the_rest_bitwise(resumed: list[dict[str, Any]], truth: list[dict[str, Any]],
-                                     first: tuple[int, int]) -> None:
+def _assert_trained_the_rest_bitwise(
+    resumed: list[dict[str, Any]], truth: list[dict[str, Any]], first: tuple[int, int]
+) -> None:
     """Each rank trained the uninterrupted fit's batches from ``first`` (epoch, batch index) on, each once with
     the same samples, and ends with its weights, bitwise."""
     for rank in range(2):
@@ -109,7 +125,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
 @pytest.mark.distributed
 @pytest.mark.parametrize("step", [2, 4], ids=["epoch0_batch4", "epoch1_batch2"])
 def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_as_uninterrupted(
-        tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int) -> None:
+    tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int
+) -> None:
     out, truth = uninterrupted
     resumed = _fit(_custom(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
     _assert_trained_the_rest_bitwise(resumed, truth, {2: (0, 4), 4: (1, 2)}[step])  # after the checkpoint
@@ -142,8 +159,9 @@ class OneCycleWorkers(OneCycle):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("module", [OneCycle, Workers, OneCycleWorkers])
-def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise(tmp_path: Path,
-                                                                                 module: type[Recorder]) -> None:
+def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise(
+    tmp_path: Path, module: type[Recorder]
+) -> None:
     """With workers, the loop's iterator draws indices when it is made: before the restore (OneCycle)
     or before ``set_epoch`` (every resumed fit). The resumed epoch's samples, in its order, each once."""
     truth = _fit(_custom(), tmp_path / "full", module=module)
@@ -164,8 +182,9 @@ def test_a_fit_resumed_from_an_epochs_end_with_workers_trains_the_next_epochs_or
 
 
 @pytest.mark.distributed
-def test_ddp_starts_the_epoch_over_on_the_same_resume(tmp_path: Path,
-                                                      uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
+def test_ddp_starts_the_epoch_over_on_the_same_resume(
+    tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]
+) -> None:
     """Lightning's ddp trains the epoch's first batches again: what the test above would catch."""
     out, truth = uninterrupted
     resumed = _fit(_ddp(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
@@ -191,9 +210,17 @@ class OwnSampler(Recorder):
 def _fit_here(module: Recorder, ckpt_path: Path | None = None) -> dict[str, Any]:
     """One process with the popen launcher: the fit runs in this process, where pytest sees its warnings."""
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CustomDDPStrategy(timeout=timedelta(seconds=60)),
-                         max_epochs=EPOCHS, logger=False, accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CustomDDPStrategy(timeout=timedelta(seconds=60)),
+        max_epochs=EPOCHS,
+        logger=False,
+        accumulate_grad_batches=ACCUMULATE,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
     finally:  # the group lives in this process: forked ranks of later tests must not inherit it
@@ -203,12 +230,16 @@ def _fit_here(module: Recorder, ckpt_path: Path | None = None) -> dict[str, Any]
 
 
 def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning(
-        tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]) -> None:
+    tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]
+) -> None:
     out, _ = uninterrupted
     (tmp_path / "fresh").mkdir()
     fresh = _fit_here(OwnSampler(tmp_path / "fresh"))
-    with pytest.warns(UserWarning, match="resuming epoch 1 at batch 2, but the training loader is sampled by a "
-                                         "DistributedSamplerWrapper, which cannot resume by index"):
+    with pytest.warns(
+        UserWarning,
+        match="resuming epoch 1 at batch 2, but the training loader is sampled by a "
+        "DistributedSamplerWrapper, which cannot resume by index",
+    ):
         resumed = _fit_here(OwnSampler(tmp_path), out / "ckpt" / "step=4.ckpt")
     assert resumed["seen"][(1, 2)] == fresh["seen"][(1, 0)]  # batch index 2 got the epoch's first batch, as under ddp
 
@@ -271,7 +302,8 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
 
 @pytest.mark.distributed
 def test_a_loader_that_keeps_its_position_resumed_from_an_epochs_end_trains_the_next_epochs_order(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """From an epoch's end the epoch Lightning sets next is one past the restored one (``ddp``'s worker draws
     the finished epoch's order again)."""
     truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers, by_epoch=True)

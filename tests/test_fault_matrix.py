@@ -19,12 +19,16 @@ from pathlib import Path
 import pytest
 
 from conformance import fault_matrix_report
-from conformance.fault_matrix import DEFAULT_OUT, ROWS, ROWS_BY_NAME, STALL_S, Result, Row, run_row
+from conformance.fault_matrix import DEFAULT_OUT, ROWS, ROWS_BY_NAME, Result, Row, run_row
+from conformance.fault_rows import STALL_S
 from strategies.stall_watch import STALL_EXIT_STATUS
 
 WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault; issue 23: a stall within 30 s of its start
-STALL_SIGNS = {"SIGSTOP": "no answer: process stopped or frozen", "loop": "in training_step",
-               "block_loader": "in __getitem__"}
+STALL_SIGNS = {
+    "SIGSTOP": "no answer: process stopped or frozen",
+    "loop": "in training_step",
+    "block_loader": "in __getitem__",
+}
 
 
 def _check_stall(row: Row, result: Result) -> None:
@@ -58,8 +62,9 @@ def _check_restart(row: Row, result: Result, resumed: bool) -> None:
     # completed step with every rank's generators (torchrun's agent store outlives the lost rank): nothing re-done.
     assert result.steps_lost == 0, result
     writer = "rank 0" if row.rank == 1 else "rank 1, rank 0 being lost"
-    assert f"written by {writer}" in result.message and "random generators: every rank's at that step" \
-        in result.message, result.message
+    assert (
+        f"written by {writer}" in result.message and "random generators: every rank's at that step" in result.message
+    ), result.message
     if row.fault == "exception":
         assert "custom_ddp: rank 1 ended first: RuntimeError: injected fault" in result.message, result.message
     if resumed:  # a mid-epoch resume (exact_resume): the rest of the epoch, each batch once
@@ -100,8 +105,10 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
         writer = "rank 0" if row.rank == 1 else "rank 1, rank 0 being lost"
         assert result.checkpoint_step == result.step_at_fault, result
         assert result.steps_lost == 0, result
-        assert f"checkpoint of the last completed optimizer step {result.step_at_fault} written by {writer}" \
-            in result.message, result.message
+        assert (
+            f"checkpoint of the last completed optimizer step {result.step_at_fault} written by {writer}"
+            in result.message
+        ), result.message
     elif row.fault == "rank_collective" and not row.desync_check:
         assert result.checkpoint_step is not None, result  # rank 0 timed out before any update: consistent
     else:
@@ -119,16 +126,25 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train",
-                                  "sigstop_rank0_train", "exception_rank1_restart"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sigterm_rank1_train",
+        "rank_collective_desync",
+        "loop_rank1_train",
+        "sigstop_rank0_train",
+        "exception_rank1_restart",
+    ],
+)
 def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
     row = ROWS_BY_NAME[name]
     _check(row, run_row(row, tmp_path / name, resume=False), resumed=False)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["exception_rank1_after_forward", "exception_rank1_mid_window",
-                                  "exception_rank1_epoch_start"])
+@pytest.mark.parametrize(
+    "name", ["exception_rank1_after_forward", "exception_rank1_mid_window", "exception_rank1_epoch_start"]
+)
 def test_a_failure_inside_a_step_leaves_a_checkpoint_that_resumes_bitwise(tmp_path: Path, name: str) -> None:
     """Rank 1 raises after its forward; rank 0, waiting in backward with its BatchNorm statistics moved by
     the batch, writes the last completed step with the buffers of the step's first batch

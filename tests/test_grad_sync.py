@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from parallel.sync_config import SYNC_MODES
+from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.host_reduce import parse_launch_label
-from benchmarks.launcher import run_workers
+from parallel.sync_config import SYNC_MODES
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.0005}
@@ -46,9 +46,7 @@ class _Net(nn.Module):
         return self.out(h)
 
 
-def _batches(
-    step: int, world_size: int, k: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _batches(step: int, world_size: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(world_size, k, 5, 8, generator=gen, dtype=torch.float64)
     y = torch.randn(world_size, k, 5, 4, generator=gen, dtype=torch.float64)
@@ -74,8 +72,14 @@ def _snapshot(net: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | No
 
 
 def _train_synced(
-    rank: int, world_size: int, mode: str, k: int, dtype: torch.dtype, options: dict,
-    device: str = "cpu", call_finish: bool = True,
+    rank: int,
+    world_size: int,
+    mode: str,
+    k: int,
+    dtype: torch.dtype,
+    options: dict,
+    device: str = "cpu",
+    call_finish: bool = True,
 ) -> dict:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -95,7 +99,9 @@ def _train_synced(
             model.finish()  # a no-op now; it must not change anything
             assert _snapshot(net).keys() == grads.keys()
             for name, (_, grad) in _snapshot(net).items():
-                assert (grad is None) == (grads[name][1] is None) and (grad is None or torch.equal(grad, grads[name][1]))
+                assert (grad is None) == (grads[name][1] is None) and (
+                    grad is None or torch.equal(grad, grads[name][1])
+                )
         optimizer.step()
     return {name: (param, grads[name][1]) for name, (param, _) in _snapshot(net).items()}
 
@@ -109,9 +115,7 @@ def _train_reference(world_size: int, k: int) -> dict:
         optimizer.zero_grad()
         x, y = _batches(step, world_size, k, torch.float64)
         losses = [
-            _loss(net(x[r, j], _uses_branch(step, r, j, k)), y[r, j])
-            for r in range(world_size)
-            for j in range(k)
+            _loss(net(x[r, j], _uses_branch(step, r, j, k)), y[r, j]) for r in range(world_size) for j in range(k)
         ]
         torch.stack(losses).mean().backward()
         grads = _snapshot(net)
@@ -136,7 +140,9 @@ def _assert_close_to_reference(result: dict, reference: dict, atol: float, rtol:
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_two_rank_training_matches_single_process(tmp_path, mode, k, transport):
     options = {"grad_transport": transport}
-    results = run_workers(_train_synced, _WORLD_SIZE, args=(mode, k, torch.float64, options), init_file=tmp_path / "store")
+    results = run_workers(
+        _train_synced, _WORLD_SIZE, args=(mode, k, torch.float64, options), init_file=tmp_path / "store"
+    )
     reference = _train_reference(_WORLD_SIZE, k)
     # Unused everywhere -> None; used by one rank only -> averaged on both; frozen -> None.
     assert reference["never_used.weight"][1] is None and reference["branch.weight"][1] is None
@@ -151,8 +157,15 @@ def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode, trans
     # No finish() at all: the average must be in p.grad when backward() returns, every run the
     # same bits (no read races an all-reduce still writing the buffer).
     options = {"grad_transport": transport}
-    runs = [run_workers(_train_synced, _WORLD_SIZE, args=(mode, 2, torch.float64, options, "cpu", False),
-                        init_file=tmp_path / f"store{i}") for i in range(3)]
+    runs = [
+        run_workers(
+            _train_synced,
+            _WORLD_SIZE,
+            args=(mode, 2, torch.float64, options, "cpu", False),
+            init_file=tmp_path / f"store{i}",
+        )
+        for i in range(3)
+    ]
     reference = _train_reference(_WORLD_SIZE, 2)
     for results in runs:
         for result in results:
@@ -195,8 +208,15 @@ def test_bf16_gradients_stay_close_to_float64(tmp_path, dtype, options, atol):
 def test_two_rank_nccl_training_matches_single_process(tmp_path):
     args = ("bucketed", 3, torch.float64, {}, "cuda")
     # spawn: CUDA cannot be re-initialised in a forked child.
-    results = run_workers(_train_synced, _WORLD_SIZE, args=args, init_file=tmp_path / "store",
-                          backend="nccl", start_method="spawn", timeout_s=120)
+    results = run_workers(
+        _train_synced,
+        _WORLD_SIZE,
+        args=args,
+        init_file=tmp_path / "store",
+        backend="nccl",
+        start_method="spawn",
+        timeout_s=120,
+    )
     reference = _train_reference(_WORLD_SIZE, 3)
     for result in results:
         _assert_close_to_reference(result, reference, atol=1e-6)
@@ -204,8 +224,11 @@ def test_two_rank_nccl_training_matches_single_process(tmp_path):
 
 def _allreduce_starts(prof) -> list[float]:
     """Start times of gradient all-reduces: gloo's, or launches of shared-memory ones."""
-    return [e.time_range.start for e in prof.events()
-            if e.name == "c10d::allreduce_" or parse_launch_label(e.name) is not None]
+    return [
+        e.time_range.start
+        for e in prof.events()
+        if e.name == "c10d::allreduce_" or parse_launch_label(e.name) is not None
+    ]
 
 
 def _count_in_backward_and_finish(model: SyncedDataParallel, x: torch.Tensor) -> tuple[int, int]:

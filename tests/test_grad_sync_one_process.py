@@ -58,7 +58,7 @@ def test_world_size_one_without_process_group_matches_plain_training():
     plain(x).pow(2).sum().backward()
     model(x).pow(2).sum().backward()
     model.finish()
-    for p, q in zip(plain.parameters(), wrapped_net.parameters()):
+    for p, q in zip(plain.parameters(), wrapped_net.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
 
 
@@ -70,7 +70,7 @@ def test_two_synced_backward_passes_in_one_step_add_up_as_in_one_process():
     for x in (torch.randn(2, 4), torch.randn(3, 4)):
         plain(x).pow(2).sum().backward()
         model(x).pow(2).sum().backward()
-    for p, q in zip(plain.parameters(), wrapped_net.parameters()):
+    for p, q in zip(plain.parameters(), wrapped_net.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=0.0, rtol=0.0)
 
 

@@ -36,8 +36,11 @@ def _uses_embedding(step: int, rank: int) -> bool:
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(10 * step + rank)
-    return (torch.randint(0, 12, (3, 5), generator=generator), torch.randn(3, 4, generator=generator),
-            torch.randn(3, 2, generator=generator))
+    return (
+        torch.randint(0, 12, (3, 5), generator=generator),
+        torch.randn(3, 4, generator=generator),
+        torch.randn(3, 2, generator=generator),
+    )
 
 
 def _train(net: _Net, losses) -> list[dict[str, torch.Tensor | None]]:
@@ -84,7 +87,7 @@ def test_sparse_gradients_and_unfreezing_match_one_process_after_every_backward(
     reference = _reference()
     assert reference[2]["embedding.weight"] is None and reference[0]["late.weight"] is None
     for result in results:
-        for step, (grads, expected) in enumerate(zip(result, reference)):
+        for step, (grads, expected) in enumerate(zip(result, reference, strict=True)):
             for name, grad in expected.items():
                 assert (grads[name] is None) == (grad is None), f"step {step} {name}"
                 if grad is not None:

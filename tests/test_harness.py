@@ -108,8 +108,10 @@ def test_per_pair_ratios_cancel_the_speed_of_each_pairs_minute():
     covered, widths = 0, {"per_pair": [], "pooled": []}
     for _ in range(100):
         minute = np.where(rng.random(30) < 0.5, 1.0, 1.4) * np.exp(rng.normal(0, 0.05, 30))
-        a, b = ([list(m * scale * np.exp(rng.normal(0, 0.06)) * np.exp(rng.normal(0, 0.05, 16))) for m in minute]
-                for scale in (0.98, 1.0))
+        a, b = (
+            [list(m * scale * np.exp(rng.normal(0, 0.06)) * np.exp(rng.normal(0, 0.05, 16))) for m in minute]
+            for scale in (0.98, 1.0)
+        )
         per_pair, pooled = pair_ratio_ci(a, b, resamples=400), paired_ratio_ci(a, b, resamples=400)
         assert per_pair.n == 30 and per_pair.low <= per_pair.value <= per_pair.high
         covered += per_pair.low <= 0.98 <= per_pair.high

@@ -46,7 +46,7 @@ def _sum_both_ways(rank: int, world_size: int, barrier: str) -> dict:
     shared = host.allocate(_SIZES)
     zeroed = all(bool((every[rank] == 0).all()) for every in shared)
     gloo = []
-    for index, ((numel, dtype), every) in enumerate(zip(_SIZES, shared)):
+    for index, ((numel, dtype), every) in enumerate(zip(_SIZES, shared, strict=True)):
         every[rank].copy_(_contribution(rank, index, numel, dtype))
         expected = _contribution(rank, index, numel, dtype)
         dist.all_reduce(expected)
@@ -56,8 +56,13 @@ def _sum_both_ways(rank: int, world_size: int, barrier: str) -> dict:
     future.wait()
     host.close()
     leftovers = sorted(set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))) - before)
-    return {"zeroed": zeroed, "shm": [every[rank].clone() for every in shared], "gloo": gloo, "leftovers": leftovers,
-            "barrier": host.barrier_kind}
+    return {
+        "zeroed": zeroed,
+        "shm": [every[rank].clone() for every in shared],
+        "gloo": gloo,
+        "leftovers": leftovers,
+        "barrier": host.barrier_kind,
+    }
 
 
 @pytest.mark.parametrize("barrier", ["futex", "gloo"])
@@ -68,7 +73,7 @@ def test_sum_equals_gloo_and_is_the_same_bits_on_every_rank(tmp_path, world_size
     for result in results:
         assert result["barrier"] == barrier  # this suite runs on Linux x86-64: futex unless forced off
         assert result["zeroed"] and result["leftovers"] == []  # every name unlinked once all ranks mapped it
-        for index, (shm, gloo, exact) in enumerate(zip(result["shm"], result["gloo"], reference)):
+        for index, (shm, gloo, exact) in enumerate(zip(result["shm"], result["gloo"], reference, strict=True)):
             assert torch.equal(shm, results[0]["shm"][index])  # one summation per chunk: the same bits everywhere
             if world_size == 2:
                 assert torch.equal(shm, gloo)  # a + b is exact in either order: gloo's bits
@@ -95,8 +100,9 @@ def _peer_missing(rank: int, world_size: int, silent_s: float | None, barrier: s
 @pytest.mark.parametrize("barrier", ["futex", "gloo"])
 def test_a_dead_peer_raises_on_the_waiting_rank_within_seconds(tmp_path, barrier):
     # timeout_s bounds the group; the peer's exit (its closed sockets, its /proc entry) must end the wait long before.
-    outcome = run_workers(_peer_missing, 2, args=(None, barrier), init_file=tmp_path / "store", timeout_s=60,
-                          deadline_margin_s=10)[0]
+    outcome = run_workers(
+        _peer_missing, 2, args=(None, barrier), init_file=tmp_path / "store", timeout_s=60, deadline_margin_s=10
+    )[0]
     assert outcome["error"] is not None and outcome["seconds"] < 10, outcome
     assert is_peer_loss(RuntimeError(outcome["error"]))  # the strategy's exit record reads it as a lost peer
 
@@ -142,8 +148,12 @@ def _choices(rank: int, world_size: int) -> dict:
         refused = ""
     except ValueError as error:
         refused = str(error)
-    return {"auto": auto.grad_transport, "compressed": fallback.grad_transport,
-            "subgroup": via_subgroup, "refused": refused}
+    return {
+        "auto": auto.grad_transport,
+        "compressed": fallback.grad_transport,
+        "subgroup": via_subgroup,
+        "refused": refused,
+    }
 
 
 def test_auto_takes_shared_memory_where_it_applies_and_names_why_not(tmp_path):
@@ -172,10 +182,19 @@ def test_ranks_that_do_not_share_dev_shm_fall_back(tmp_path):
         assert "rank 1 does not see rank 0's" in result["refused"]
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"grad_transport": "shm"}, r"grad_transport='shm' must be one of \('auto', 'process_group', 'shared_memory'\)"),
-    ({"grad_transport": "shared_memory", "grad_compression": "bf16"}, r"use grad_transport='process_group' to compress"),
-])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (
+            {"grad_transport": "shm"},
+            r"grad_transport='shm' must be one of \('auto', 'process_group', 'shared_memory'\)",
+        ),
+        (
+            {"grad_transport": "shared_memory", "grad_compression": "bf16"},
+            r"use grad_transport='process_group' to compress",
+        ),
+    ],
+)
 def test_bad_transport_options_name_the_value_and_the_fix(options, match):
     with pytest.raises(ValueError, match=match):
         GradSyncConfig(**options)

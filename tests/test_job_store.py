@@ -10,9 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -208,8 +208,11 @@ def test_a_connection_gets_longer_than_a_name_lookup_then_each_operation_its_own
         store.set("k", "v")
         assert store.get("k") == b"v"
         blocking = BlockingStore()
-        slow_ops = BoundedStore(lambda: blocking, op_timeout_s=DEADLINE_S,  # type: ignore[arg-type,return-value]
-                                connect_timeout_s=CONNECT_S)
+        slow_ops = BoundedStore(
+            lambda: blocking,
+            op_timeout_s=DEADLINE_S,  # type: ignore[arg-type,return-value]
+            connect_timeout_s=CONNECT_S,
+        )
         with pytest.raises(StoreUnanswered, match="has not answered check"):
             slow_ops.check(["k"])
         blocking.release.set()

@@ -40,8 +40,13 @@ def test_ckpt_path_last_pins_the_version_with_the_newest_last_checkpoint(tmp_pat
 
 def test_the_last_checkpoint_is_written_only_from_a_state_every_rank_shares() -> None:
     def trainer(**changes) -> SimpleNamespace:
-        fields = {"is_global_zero": True, "global_rank": 0, "state": SimpleNamespace(fn=TrainerFn.FITTING),
-                  "sanity_checking": False, "global_step": 15}
+        fields = {
+            "is_global_zero": True,
+            "global_rank": 0,
+            "state": SimpleNamespace(fn=TrainerFn.FITTING),
+            "sanity_checking": False,
+            "global_step": 15,
+        }
         return SimpleNamespace(**{**fields, **changes})
 
     last = LastCheckpoint()
@@ -73,16 +78,23 @@ def _batch(trainer: SimpleNamespace, last: LastCheckpoint, module: nn.Module, st
 
 def _checkpoint(trainer: SimpleNamespace, module: nn.Module) -> dict[str, Any]:
     progress = trainer.fit_loop.epoch_loop.batch_progress.state_dict()
-    return {"state_dict": {name: value.clone() for name, value in module.state_dict().items()},
-            "loops": {"fit_loop": {"epoch_loop.batch_progress": copy.deepcopy(progress)}}}
+    return {
+        "state_dict": {name: value.clone() for name, value in module.state_dict().items()},
+        "loops": {"fit_loop": {"epoch_loop.batch_progress": copy.deepcopy(progress)}},
+    }
 
 
 def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> None:
     """Buffers and batch counters of the accumulation window's first micro-batch (accumulate 3 here)."""
     module = nn.BatchNorm1d(3)
     progress = _BatchProgress()
-    trainer = SimpleNamespace(is_global_zero=True, global_rank=0, global_step=4, current_epoch=1,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        global_rank=0,
+        global_step=4,
+        current_epoch=1,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
     last = LastCheckpoint()
     for steps in (False, False, True):  # a whole window: its step done, no window open
         _batch(trainer, last, module, steps)
@@ -115,8 +127,13 @@ def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> Non
 
 def test_the_last_checkpoint_needs_the_batch_counters_where_lightning_keeps_them() -> None:
     module = nn.BatchNorm1d(3)
-    trainer = SimpleNamespace(is_global_zero=True, global_rank=0, global_step=0, current_epoch=0,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_BatchProgress())))
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        global_rank=0,
+        global_step=0,
+        current_epoch=0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_BatchProgress())),
+    )
     last = LastCheckpoint()
     last.batch_started(trainer, module)
     last._writing = True

@@ -24,30 +24,56 @@ def _modules(package) -> list[str]:
 
 def _run_fresh(code: str) -> str:
     """Run ``code`` in a fresh interpreter at the repository root; return its stdout."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=_ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
-        "parallel.buckets", "parallel.buffer_sync", "parallel.dist_utils", "parallel.eval_sharding",
-        "parallel.grad_sync", "parallel.host_reduce", "parallel.metric_sync", "parallel.reducer",
-        "parallel.resume_sampler", "parallel.rng_state", "parallel.shm_barrier", "parallel.sparse_grads", "parallel.sync_config",
+        "parallel.buckets",
+        "parallel.buffer_sync",
+        "parallel.dist_utils",
+        "parallel.eval_sharding",
+        "parallel.grad_sync",
+        "parallel.host_reduce",
+        "parallel.metric_sync",
+        "parallel.reducer",
+        "parallel.resume_sampler",
+        "parallel.rng_state",
+        "parallel.shm_barrier",
+        "parallel.sparse_grads",
+        "parallel.sync_config",
         "parallel.syncbn",
-        "parallel.syncbn_function", "parallel.syncbn_kernels", "parallel.uneven_gather", "parallel.zero",
+        "parallel.syncbn_function",
+        "parallel.syncbn_kernels",
+        "parallel.uneven_gather",
+        "parallel.zero",
     ]
 
 
 # The measurement modules the callbacks and the benchmarks share, and the benchmarks that need no Trainer.
-_MEASUREMENT = ["callbacks", "measure", *_modules(measure), "benchmarks.launcher", "benchmarks.harness",
-                "benchmarks.readme_results", "benchmarks.grad_sync", "benchmarks.grad_sync_report", "benchmarks.syncbn",
-                "benchmarks.allreduce", "benchmarks.compare", "benchmarks.compare_runs"]
+_MEASUREMENT = [
+    "callbacks",
+    "measure",
+    *_modules(measure),
+    "benchmarks.launcher",
+    "benchmarks.harness",
+    "benchmarks.readme_results",
+    "benchmarks.grad_sync",
+    "benchmarks.grad_sync_report",
+    "benchmarks.syncbn",
+    "benchmarks.allreduce",
+    "benchmarks.compare",
+    "benchmarks.compare_runs",
+]
 
 
-@pytest.mark.parametrize("modules", [_modules(parallel), _modules(collectives), _MEASUREMENT],
-                         ids=["parallel", "collectives", "measurement"])
+@pytest.mark.parametrize(
+    "modules", [_modules(parallel), _modules(collectives), _MEASUREMENT], ids=["parallel", "collectives", "measurement"]
+)
 def test_package_imports_without_lightning(modules):
     """Every module imports in a fresh interpreter where Lightning cannot be imported at all."""
     out = _run_fresh(f"""

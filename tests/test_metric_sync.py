@@ -1,4 +1,5 @@
-"""MetricSync and the uneven gathers under it: exact metrics from uneven shards (pure torch + torchmetrics, 2 gloo ranks).
+"""MetricSync and the uneven gathers under it: exact metrics from uneven shards (pure torch + torchmetrics, 2 gloo
+ranks).
 
 Rank 0 holds samples 0-5, rank 1 samples 6-10 (the contiguous shards of 11 on 2 ranks), in
 batches of 4: 2 batches on each rank, of unequal sizes. One process on all 11 is the reference.
@@ -16,12 +17,17 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
 from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
 
+from benchmarks.launcher import run_workers
 from conformance.patterns import MeanStateMetric
 from measure.collective_count import count_collectives
-from benchmarks.launcher import run_workers
 from parallel.metric_sync import MetricSync, merge_kinds
-from parallel.uneven_gather import UnevenGatherError, all_gather_padded, all_gather_rows, exchange_layouts, \
-    gather_tensors
+from parallel.uneven_gather import (
+    UnevenGatherError,
+    all_gather_padded,
+    all_gather_rows,
+    exchange_layouts,
+    gather_tensors,
+)
 
 pytestmark = pytest.mark.distributed
 SHARDS = (slice(0, 6), slice(6, 11))
@@ -29,8 +35,11 @@ SHARDS = (slice(0, 6), slice(6, 11))
 
 def _data(n: int = 11) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(n, 3, generator=generator), torch.randint(0, 3, (n,), generator=generator), \
-        torch.rand(n, generator=generator)
+    return (
+        torch.randn(n, 3, generator=generator),
+        torch.randint(0, 3, (n,), generator=generator),
+        torch.rand(n, generator=generator),
+    )
 
 
 def _metrics() -> list:
@@ -72,8 +81,15 @@ def _sync_worker(rank: int, world_size: int) -> dict:
         again = [float(m.compute()) for m in metrics[:5]]  # served from the same merge
     sync.end()
     restored = all(m.distributed_available_fn is not sync._is_ready and m.compute_with_cache for m in metrics)
-    return {"local": local, "values": values, "again": again, "early": len(early), "restored": restored,
-            "merged": Counter(c.kind for c in merged), "merges": sync.merges}
+    return {
+        "local": local,
+        "values": values,
+        "again": again,
+        "early": len(early),
+        "restored": restored,
+        "merged": Counter(c.kind for c in merged),
+        "merges": sync.merges,
+    }
 
 
 def test_sum_max_min_and_cat_states_equal_one_process_in_four_collectives(tmp_path) -> None:
@@ -105,10 +121,10 @@ class _IntCat(Metric):
 
 
 def _special_worker(rank: int, world_size: int) -> dict:
-    only_rank0 = CatMetric()           # a cat state one rank never adds to
-    huge = _IntCat()                   # int64 beyond float64's 2**53: travels as bytes
+    only_rank0 = CatMetric()  # a cat state one rank never adds to
+    huge = _IntCat()  # int64 beyond float64's 2**53: travels as bytes
     local = MaxMetric(sync_on_compute=False)
-    mean_state = MeanStateMetric()     # "mean" reduction: torchmetrics' own sync
+    mean_state = MeanStateMetric()  # "mean" reduction: torchmetrics' own sync
     sync = MetricSync()
     sync.begin([only_rank0, huge, local, mean_state])
     if rank == 0:
@@ -117,8 +133,12 @@ def _special_worker(rank: int, world_size: int) -> dict:
     local.update(torch.tensor(float(rank)))
     mean_state.update(torch.full((2 + rank,), float(rank)))
     sync.set_ready(True)
-    out = {"only_rank0": only_rank0.compute().tolist(), "huge": huge.compute().tolist(),
-           "local": float(local.compute()), "mean_state": float(mean_state.compute())}
+    out = {
+        "only_rank0": only_rank0.compute().tolist(),
+        "huge": huge.compute().tolist(),
+        "local": float(local.compute()),
+        "mean_state": float(mean_state.compute()),
+    }
     sync.end()
     return out
 
@@ -134,12 +154,15 @@ def test_empty_ranks_exact_integers_local_metrics_and_unmergeable_states(tmp_pat
 
 
 def _retrieval_worker(rank: int, world_size: int) -> tuple[float, Counter]:
-    scores, labels, queries = torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0, \
-        torch.arange(11) // 3
+    scores, labels, queries = (
+        torch.rand(11, generator=torch.Generator().manual_seed(1)),
+        _data()[1] > 0,
+        torch.arange(11) // 3,
+    )
     metric = RetrievalMAP()
     sync = MetricSync()
     sync.begin([metric])
-    for batch in ([slice(0, 2), slice(2, 4), slice(4, 6)] if rank == 0 else [slice(6, 11)]):  # 3 updates vs 1
+    for batch in [slice(0, 2), slice(2, 4), slice(4, 6)] if rank == 0 else [slice(6, 11)]:  # 3 updates vs 1
         metric.update(scores[batch], labels[batch], indexes=queries[batch])
     sync.set_ready(True)
     with count_collectives() as collectives:
@@ -151,15 +174,16 @@ def _retrieval_worker(rank: int, world_size: int) -> tuple[float, Counter]:
 def test_list_states_of_retrieval_metrics_with_different_update_counts_per_rank(tmp_path) -> None:
     # torchmetrics' own sync would issue one gather per update: 3 on rank 0, 1 on rank 1 (a hang)
     reference = RetrievalMAP()
-    reference.update(torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0,
-                     indexes=torch.arange(11) // 3)
+    reference.update(
+        torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0, indexes=torch.arange(11) // 3
+    )
     for value, collectives in run_workers(_retrieval_worker, 2, init_file=tmp_path / "store"):
         assert value == pytest.approx(float(reference.compute()), rel=1e-6)
         assert collectives == {"all_gather": 3}  # element counts, layouts, bytes
 
 
 def _gather_worker(rank: int, world_size: int) -> dict:
-    rows = torch.arange(6 - rank, dtype=torch.float32).mul(10 ** rank).requires_grad_()  # 6 and 5 rows
+    rows = torch.arange(6 - rank, dtype=torch.float32).mul(10**rank).requires_grad_()  # 6 and 5 rows
     padded, padding = all_gather_padded(rows)
     exact = all_gather_rows(rows, sync_grads=True)
     exact.sum().backward()
@@ -170,8 +194,14 @@ def _gather_worker(rank: int, world_size: int) -> dict:
         error = None
     except UnevenGatherError as err:
         error = str(err)
-    return {"padded": padded.tolist(), "padding": padding, "exact": exact.tolist(), "grad": rows.grad.tolist(),
-            "mixed": [[None if t is None else t.tolist() for t in r] for r in mixed], "error": error}
+    return {
+        "padded": padded.tolist(),
+        "padding": padding,
+        "exact": exact.tolist(),
+        "grad": rows.grad.tolist(),
+        "mixed": [[None if t is None else t.tolist() for t in r] for r in mixed],
+        "error": error,
+    }
 
 
 def test_uneven_gathers_pad_like_distributed_sampler_or_give_each_row_once(tmp_path) -> None:

@@ -22,9 +22,13 @@ EPOCH_TAGS = {"train/loss_epoch", "train/acc1_epoch", "train/acc5_epoch", "val/l
 def _fit(tmp_path: Path, datamodule, **trainer_kwargs) -> Trainer:
     model = LitClassifier(net="template", lr=0.05, schedule="cosine", warmup_fraction=0.2)
     trainer = Trainer(
-        accelerator="cpu", max_epochs=1, log_every_n_steps=1,
+        accelerator="cpu",
+        max_epochs=1,
+        log_every_n_steps=1,
         logger=TensorBoardLogger(tmp_path, name="lightning_logs", default_hp_metric=False),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
         **trainer_kwargs,
     )
     trainer.fit(model, datamodule=datamodule)
@@ -79,7 +83,9 @@ def test_predict_step_returns_classes_top5_probabilities_and_targets() -> None:
 @pytest.mark.parametrize("total_steps", [1, 2, 4, 5, 10])
 def test_onecycle_survives_a_one_step_rise(total_steps: int) -> None:
     # warmup_fraction * total_steps == 1 made torch's OneCycleLR divide by zero at construction.
-    model = LitClassifier(net="template", schedule="onecycle", warmup_fraction=1 / total_steps if total_steps > 1 else 0.5)
+    model = LitClassifier(
+        net="template", schedule="onecycle", warmup_fraction=1 / total_steps if total_steps > 1 else 0.5
+    )
     model.trainer = SimpleNamespace(estimated_stepping_batches=total_steps)
     config = model.configure_optimizers()
     scheduler, optimizer = config["lr_scheduler"]["scheduler"], config["optimizer"]
@@ -132,23 +138,38 @@ def test_model_summary_counts_flops_through_the_datamodule_hook(net: str, tiny_d
 
 
 @pytest.mark.parametrize("schedule", ["onecycle", "cosine"])
-def test_a_resume_with_a_longer_fit_names_the_schedule_it_cannot_continue(tmp_path: Path, tiny_datamodule,
-                                                                          schedule: str) -> None:
+def test_a_resume_with_a_longer_fit_names_the_schedule_it_cannot_continue(
+    tmp_path: Path, tiny_datamodule, schedule: str
+) -> None:
     """OneCycleLR keeps the checkpoint's total_steps (torch then fails at step 6 of 10): an error before
     training says why and what to do; a cosine schedule is rebuilt for the new length: a warning."""
+
     def fit(max_epochs: int, ckpt_path: Path | None = None) -> None:
-        trainer = Trainer(accelerator="cpu", max_epochs=max_epochs, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, default_root_dir=tmp_path)
-        trainer.fit(LitClassifier(net="template", lr=0.05, schedule=schedule), datamodule=tiny_datamodule(),
-                    ckpt_path=ckpt_path)
+        trainer = Trainer(
+            accelerator="cpu",
+            max_epochs=max_epochs,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(
+            LitClassifier(net="template", lr=0.05, schedule=schedule), datamodule=tiny_datamodule(), ckpt_path=ckpt_path
+        )
 
     fit(1)
     (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
     if schedule == "onecycle":
-        with pytest.raises(OptionError, match="onecycle schedule built for 5 optimizer steps into a fit of 10 .*"
-                                              "Resume with the interrupted fit's --trainer.max_epochs"):
+        with pytest.raises(
+            OptionError,
+            match="onecycle schedule built for 5 optimizer steps into a fit of 10 .*"
+            "Resume with the interrupted fit's --trainer.max_epochs",
+        ):
             fit(2, checkpoint)
     else:
-        with pytest.warns(UserWarning, match="cosine schedule built for 5 optimizer steps into a fit of 10 .* from "
-                                             "step 5 on its learning rate does not continue"):
+        with pytest.warns(
+            UserWarning,
+            match="cosine schedule built for 5 optimizer steps into a fit of 10 .* from "
+            "step 5 on its learning rate does not continue",
+        ):
             fit(2, checkpoint)

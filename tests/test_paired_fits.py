@@ -66,8 +66,9 @@ def test_target_verdicts():
     assert _target_verdict({"value": 1.01, "low": 0.99, "high": 1.02}) == "undecided"  # point above 1.00
     assert _target_verdict({"value": 0.99, "low": 0.95, "high": 1.04}) == "undecided"  # bound not below 1.03
     assert _target_verdict({"value": 1.05, "low": 1.01, "high": 1.08}) == "missed"
-    assert _target_verdict(analyse(_timing(1.08))["template"]["1"]["per_pair"]["custom_ddp_localbn/ddp_tuned"]) \
-        == "missed"
+    assert (
+        _target_verdict(analyse(_timing(1.08))["template"]["1"]["per_pair"]["custom_ddp_localbn/ddp_tuned"]) == "missed"
+    )
 
 
 def test_paired_fits_arguments(capsys):
@@ -89,8 +90,13 @@ def test_paired_fits_end_to_end_quick(tmp_path):
     # Both strategies fit in turn in the same 2 ranks: custom_ddp after ddp and ddp after custom_ddp
     # in one process group, as a script calling fit twice would.
     out = tmp_path / "paired"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.paired_fits", "--out", str(out), "--quick",
-                           "--pairs", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.paired_fits", "--out", str(out), "--quick", "--pairs", "2"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     record = json.loads((out / "results.json").read_text())
     assert record["schema"] == SCHEMA and record["config"]["pairs"] == 1  # --quick: one pair
@@ -103,7 +109,9 @@ def test_paired_fits_end_to_end_quick(tmp_path):
     assert ddp["class"].endswith(".DDPStrategy") and ddp["gradient_as_bucket_view"] is True
     assert [len(run["micro_batch_s"]) for [run] in runs.values()] == [4, 4]  # 2 steps of 2 micro-batches
     assert set(record["analysis"]["template"]["2"]["micro_batch_per_pair"]["custom_ddp_localbn/ddp_tuned"]) == {
-        "syncing", "accumulating"}
+        "syncing",
+        "accumulating",
+    }
     assert record["headline"][0]["verdict"] in ("met", "missed", "undecided")
     assert "pairs drawn together" in (out / "results.md").read_text()
     assert (out / "data" / "synthetic").is_dir()  # the smoke run's data stay in its folder, not the checkout's

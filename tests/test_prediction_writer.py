@@ -27,8 +27,15 @@ class Doubler(LightningModule):
 
 def _predict(tmp_path: Path, model: LightningModule, writer: PredictionWriter, n: int = 10, **trainer_kwargs):
     data = DataLoader(TensorDataset(torch.arange(n * 3, dtype=torch.float32).view(n, 3)), batch_size=4)
-    trainer = Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=[writer],
-                      enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=[writer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     trainer.predict(model, data, return_predictions=False)
     return data.dataset.tensors[0]
 
@@ -54,9 +61,11 @@ def test_dict_predictions_to_a_given_path_merged_or_per_rank(tmp_path: Path, mer
 
 def test_merge_sorts_ranks_rows_by_dataset_index_and_skips_an_empty_rank() -> None:
     # DistributedSampler-style interleaving: rank 0 had items 0, 2, 4; rank 1 had 1, 3; rank 2 none.
-    parts = [_collate([{"p": torch.tensor([0.0, 2.0])}, {"p": torch.tensor([4.0])}], [[0, 2], [4]]),
-             _collate([{"p": torch.tensor([1.0, 3.0])}], [[1, 3]]),
-             _collate([], [])]
+    parts = [
+        _collate([{"p": torch.tensor([0.0, 2.0])}, {"p": torch.tensor([4.0])}], [[0, 2], [4]]),
+        _collate([{"p": torch.tensor([1.0, 3.0])}], [[1, 3]]),
+        _collate([], []),
+    ]
     merged = _merge(parts)
     assert torch.equal(merged["index"], torch.arange(5)) and torch.equal(merged["p"], torch.arange(5.0))
 

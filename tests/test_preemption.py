@@ -34,13 +34,20 @@ STEPS_PER_EPOCH = 4  # 32 samples / 2 ranks / batch 4
 
 # ------------------------------------------------------------------ rank status (pure torch)
 
+
 def _status_worker(rank: int, world_size: int, mode: str, compression) -> list:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    model = SyncedDataParallel(net, mode=mode, grad_compression=compression, carry_rank_status=True,
-                               bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
+    model = SyncedDataParallel(
+        net,
+        mode=mode,
+        grad_compression=compression,
+        carry_rank_status=True,
+        bucket_cap_mb=0.0001,
+        first_bucket_cap_mb=0.0001,
+    )
     seen = [model.rank_status]
-    for step, value in enumerate((0, 15 if rank == 1 else 0, 2 if rank == 0 else 15)):
+    for value in (0, 15 if rank == 1 else 0, 2 if rank == 0 else 15):
         model.set_rank_status(value)
         with model.no_sync():  # an accumulating micro-batch carries nothing
             model(torch.randn(3, 4)).sum().backward()
@@ -52,8 +59,9 @@ def _status_worker(rank: int, world_size: int, mode: str, compression) -> list:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode,compression", [("bucketed", None), ("flat", "bf16"), ("per_param", "bf16"),
-                                              ("per_param_overlap", None)])
+@pytest.mark.parametrize(
+    "mode,compression", [("bucketed", None), ("flat", "bf16"), ("per_param", "bf16"), ("per_param_overlap", None)]
+)
 def test_every_rank_reads_every_ranks_status_after_the_step(tmp_path: Path, mode: str, compression) -> None:
     results = run_workers(_status_worker, WORLD_SIZE, args=(mode, compression), init_file=tmp_path / "store")
     expected = [None, None, (0, 0), (0, 0), (0, 15), (0, 15), (2, 15)]
@@ -74,6 +82,7 @@ def test_status_without_peers_and_bad_values() -> None:
 
 
 # ------------------------------------------------------------------ recorder, exit status, version
+
 
 def test_recorder_records_the_first_signal_once_and_restores() -> None:
     before = signal.getsignal(signal.SIGUSR1)
@@ -138,8 +147,13 @@ def test_preemption_owns_the_stop_state_and_never_reads_the_strategy() -> None:
     assert trainer.callbacks == [] and signal.getsignal(signal.SIGTERM) == before
 
 
-@pytest.mark.parametrize("status, says", [(TrainerStatus.RUNNING, "the fit finished normally"),
-                                          (TrainerStatus.INTERRUPTED, "the fit was already ending on an error")])
+@pytest.mark.parametrize(
+    "status, says",
+    [
+        (TrainerStatus.RUNNING, "the fit finished normally"),
+        (TrainerStatus.INTERRUPTED, "the fit was already ending on an error"),
+    ],
+)
 def test_a_signal_too_late_to_stop_together_is_reported_as_what_happened(caplog, status, says: str) -> None:
     """torchrun's agent sends SIGTERM to the ranks that survive a failed one: that fit did not finish normally."""
     trainer = SimpleNamespace(callbacks=[], state=SimpleNamespace(fn=TrainerFn.FITTING, status=status), global_rank=0)
@@ -161,14 +175,17 @@ def test_exit_status_is_128_plus_signal() -> None:
 
 
 def test_stop_checkpoint_is_the_model_checkpoints_last_file(tmp_path: Path) -> None:
-    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")],
-                         logger=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")], logger=False
+    )
     assert stop_checkpoint_path(trainer) == str(tmp_path / "ckpts" / "last.ckpt")
-    assert stop_checkpoint_path(pl.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, logger=False)) \
-        == str(tmp_path / "preempted.ckpt")
+    assert stop_checkpoint_path(pl.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, logger=False)) == str(
+        tmp_path / "preempted.ckpt"
+    )
 
 
 # ------------------------------------------------------------------ coordinated stops (2 fork ranks)
+
 
 class _Net(pl.LightningModule):
     def __init__(self) -> None:
@@ -177,8 +194,9 @@ class _Net(pl.LightningModule):
         # Dropout: the stop checkpoint holds every rank's generators, so the resume draws the same masks.
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
         generator = torch.Generator().manual_seed(1)
-        self.data = TensorDataset(torch.randn(32, 8, generator=generator),
-                                  torch.randint(0, 4, (32,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
+        )
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return F.cross_entropy(self.net(batch[0]), batch[1])
@@ -218,10 +236,19 @@ class _SignalSelf(Callback):
 
 def _trainer(tmp_path: Path, *callbacks: Callback, max_epochs: int = 2, zero1: bool = False) -> pl.Trainer:
     strategy = CustomDDPStrategy(start_method="fork", timeout=30, zero1=zero1)
-    return pl.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy,
-                      max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0), *callbacks])
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0), *callbacks],
+    )
 
 
 def _fit(tmp_path: Path, *callbacks: Callback, ckpt_path=None, zero1: bool = False) -> dict[str, torch.Tensor]:
@@ -241,8 +268,9 @@ def _stopped_step(tmp_path: Path, signaller: _SignalSelf, zero1: bool = False) -
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero1", [False, True])
 @pytest.mark.parametrize("batch", [1, STEPS_PER_EPOCH - 1], ids=["mid_epoch", "last_batch"])
-def test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly(tmp_path: Path, zero1: bool,
-                                                                              batch: int) -> None:
+def test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly(
+    tmp_path: Path, zero1: bool, batch: int
+) -> None:
     # The resumed run must end with the uninterrupted run's weights, from the last batch of epoch 0
     # and from the middle of it (exact_resume: the loader leaves out the batches already trained).
     # With zero1 the stop's checkpoint consolidates the sharded optimizer state: collectives.
@@ -272,8 +300,16 @@ def test_signal_outside_fit_stops_the_stage_without_a_checkpoint(tmp_path: Path)
 
 def test_preemption_leaves_no_trace_after_the_stage(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CustomDDPStrategy(), max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CustomDDPStrategy(),
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     try:
         trainer.fit(_Net())
     finally:

@@ -21,11 +21,22 @@ def test_block_renders_headline_rows_and_quietness(tmp_path):
     """A benchmark without an analysis module of its own is shown from its stored headline rows."""
     folder = tmp_path / "demo"
     folder.mkdir()
-    rows = [{"what": "a / b: step time", "value": {"value": 1.025, "low": 0.99, "high": 1.06, "n": 40}, "unit": "x",
-             "target": "<= 1.2", "verdict": "met"}, {"what": "calls", "value": 3, "unit": ""}]
-    record = {"command": "python -m benchmarks.demo", "headline": rows,
-              "environment": {"cpu": "Demo CPU", "cpu_id": "GenuineDemo family 6 model 1 stepping 0", "cpu_count": 2},
-              "quietness": {"comparable": False, "load_before": 1.5, "foreign_share": 0.3}}
+    rows = [
+        {
+            "what": "a / b: step time",
+            "value": {"value": 1.025, "low": 0.99, "high": 1.06, "n": 40},
+            "unit": "x",
+            "target": "<= 1.2",
+            "verdict": "met",
+        },
+        {"what": "calls", "value": 3, "unit": ""},
+    ]
+    record = {
+        "command": "python -m benchmarks.demo",
+        "headline": rows,
+        "environment": {"cpu": "Demo CPU", "cpu_id": "GenuineDemo family 6 model 1 stepping 0", "cpu_count": 2},
+        "quietness": {"comparable": False, "load_before": 1.5, "foreign_share": 0.3},
+    }
     (folder / "results.json").write_text(json.dumps(record))
     (tmp_path / "unshown").mkdir()  # a record without a headline is not shown
     (tmp_path / "unshown" / "results.json").write_text(json.dumps({"rows": []}))
@@ -66,13 +77,15 @@ def test_readme_training_conformance_table_matches_its_record():
     from conformance.table import update_readme
     from conformance.training_table import BEGIN, DEFAULT_OUT, END, render
 
-    current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()), render_record=render,
-                                   begin=BEGIN, end=END)
+    current, fresh = update_readme(
+        json.loads((DEFAULT_OUT / "results.json").read_text()), render_record=render, begin=BEGIN, end=END
+    )
     assert current == fresh, "README.md's training table is stale: run python -m conformance.training_table"
 
 
-@pytest.mark.parametrize("name", ["compare_localbn", "syncbn", "paired_fits_template_zen3",
-                                  "paired_fits_resnet18_acc4_zen3"])
+@pytest.mark.parametrize(
+    "name", ["compare_localbn", "syncbn", "paired_fits_template_zen3", "paired_fits_resnet18_acc4_zen3"]
+)
 def test_committed_records_are_derived_by_todays_analysis(tmp_path, name):
     """Re-deriving a committed record from its raw samples changes nothing: its estimates are today's."""
     folder = tmp_path / name

@@ -81,20 +81,42 @@ class Stochastic(pl.LightningModule):
         torch.save(state, self.out / f"rank{self.global_rank}.pt")
 
 
-def _fit(strategy: Any, out: Path, workers: int, noise: bool, ckpt_path: Path | None = None,
-         callbacks: tuple[pl.Callback, ...] = (), module: type[Stochastic] = Stochastic,
-         **trainer_options: Any) -> list[dict]:
+def _fit(
+    strategy: Any,
+    out: Path,
+    workers: int,
+    noise: bool,
+    ckpt_path: Path | None = None,
+    callbacks: tuple[pl.Callback, ...] = (),
+    module: type[Stochastic] = Stochastic,
+    **trainer_options: Any,
+) -> list[dict]:
     out.mkdir(parents=True)
-    checkpoints = [ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
-                   ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1),
-                   # At epoch 0's last batch: at the validation's end after it, and at its end (step 3)
-                   ModelCheckpoint(dirpath=out / "ckpt", filename="val_end_{epoch}", monitor="val_loss", save_top_k=-1,
-                                   save_on_train_epoch_end=False),
-                   ModelCheckpoint(dirpath=out / "ckpt", filename="batch_end_{step}", every_n_train_steps=3,
-                                   save_top_k=-1)]
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS, logger=False,
-                         accumulate_grad_batches=ACCUMULATE, callbacks=[*checkpoints, *callbacks],
-                         enable_progress_bar=False, enable_model_summary=False, **trainer_options)
+    checkpoints = [
+        ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1),
+        ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1),
+        # At epoch 0's last batch: at the validation's end after it, and at its end (step 3)
+        ModelCheckpoint(
+            dirpath=out / "ckpt",
+            filename="val_end_{epoch}",
+            monitor="val_loss",
+            save_top_k=-1,
+            save_on_train_epoch_end=False,
+        ),
+        ModelCheckpoint(dirpath=out / "ckpt", filename="batch_end_{step}", every_n_train_steps=3, save_top_k=-1),
+    ]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=False,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[*checkpoints, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
     trainer.fit(module(out, workers, noise), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
@@ -112,8 +134,14 @@ def _assert_resumes_bitwise(tmp_path: Path, workers: int, checkpoints: tuple[str
     (noise in the main process when there are no workers)."""
     truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, **fit_options)
     for checkpoint in checkpoints:
-        resumed = _fit(_custom(), tmp_path / checkpoint, workers, workers == 0,
-                       tmp_path / "truth" / "ckpt" / checkpoint, **fit_options)
+        resumed = _fit(
+            _custom(),
+            tmp_path / checkpoint,
+            workers,
+            workers == 0,
+            tmp_path / "truth" / "ckpt" / checkpoint,
+            **fit_options,
+        )
         assert _same(resumed, truth), checkpoint
 
 
@@ -126,22 +154,35 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
             out = tmp_path_factory.mktemp(f"uninterrupted_w{workers}_{noise}") / "run"
             runs[(workers, noise)] = out, _fit(_custom(), out, workers, noise)
         return runs[(workers, noise)]
+
     return run
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("workers, noise, checkpoint", [
-    (0, True, "step=2.ckpt"),  # mid-epoch 0: the sample noise drawn in the main process repeats too
-    (0, True, "epoch=0.ckpt"),  # the next epoch's iterator drew its base seed after the checkpoint
-    (0, True, "val_end_epoch=0.ckpt"),  # the loop finishes epoch 0 and makes epoch 1's iterator itself
-    (0, True, "batch_end_step=3.ckpt"),  # the same, from epoch 0's last batch
-    (1, False, "step=4.ckpt"),  # mid-epoch 1, a worker: its base seed drawn before the checkpoint
-    (1, True, "epoch=0.ckpt"),  # the iterator made anew after the restore: the workers' draws repeat too
-    (1, True, "val_end_epoch=0.ckpt"),
-], ids=["main_mid_epoch", "main_epoch_end", "main_val_end", "main_last_batch_end", "worker_mid_epoch",
-        "worker_epoch_end", "worker_val_end"])
+@pytest.mark.parametrize(
+    "workers, noise, checkpoint",
+    [
+        (0, True, "step=2.ckpt"),  # mid-epoch 0: the sample noise drawn in the main process repeats too
+        (0, True, "epoch=0.ckpt"),  # the next epoch's iterator drew its base seed after the checkpoint
+        (0, True, "val_end_epoch=0.ckpt"),  # the loop finishes epoch 0 and makes epoch 1's iterator itself
+        (0, True, "batch_end_step=3.ckpt"),  # the same, from epoch 0's last batch
+        (1, False, "step=4.ckpt"),  # mid-epoch 1, a worker: its base seed drawn before the checkpoint
+        (1, True, "epoch=0.ckpt"),  # the iterator made anew after the restore: the workers' draws repeat too
+        (1, True, "val_end_epoch=0.ckpt"),
+    ],
+    ids=[
+        "main_mid_epoch",
+        "main_epoch_end",
+        "main_val_end",
+        "main_last_batch_end",
+        "worker_mid_epoch",
+        "worker_epoch_end",
+        "worker_val_end",
+    ],
+)
 def test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_and_ends_bitwise(
-        tmp_path: Path, uninterrupted: Any, workers: int, noise: bool, checkpoint: str) -> None:
+    tmp_path: Path, uninterrupted: Any, workers: int, noise: bool, checkpoint: str
+) -> None:
     out, truth = uninterrupted(workers, noise)
     resumed = _fit(_custom(), tmp_path / "resumed", workers, noise, out / "ckpt" / checkpoint)
     assert _same(resumed, truth)
@@ -185,8 +226,9 @@ class PersistentWorkers(Stochastic):
 def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) -> None:
     """Persistent workers keep one iterator for the whole fit: later epochs draw no base seed, and neither
     may the resume (on ee06279 it drew one, shifting every later draw)."""
-    _assert_resumes_bitwise(tmp_path, 1, ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"),
-                            module=PersistentWorkers)
+    _assert_resumes_bitwise(
+        tmp_path, 1, ("epoch=0.ckpt", "val_end_epoch=0.ckpt", "step=4.ckpt"), module=PersistentWorkers
+    )
 
 
 @pytest.mark.distributed
@@ -194,16 +236,19 @@ def test_persistent_workers_resume_bitwise_from_an_epochs_end(tmp_path: Path) ->
 def test_loaders_reloaded_every_epoch_resume_bitwise(tmp_path: Path, workers: int) -> None:
     """``reload_dataloaders_every_n_epochs=1``: the loader set up before the restore is replaced before the
     first batch (on ee06279 its never-iterated first pass failed the first-batch check from an epoch's end)."""
-    _assert_resumes_bitwise(tmp_path, workers, ("epoch=0.ckpt", "step=2.ckpt", "step=4.ckpt"),
-                            reload_dataloaders_every_n_epochs=1)
+    _assert_resumes_bitwise(
+        tmp_path, workers, ("epoch=0.ckpt", "step=2.ckpt", "step=4.ckpt"), reload_dataloaders_every_n_epochs=1
+    )
 
 
 class TwoLoaders(Stochastic):
     """A dict of two training loaders; Lightning cycles the shorter (3 batches) within the 6-batch epoch."""
 
     def train_dataloader(self) -> dict[str, DataLoader]:
-        return {"a": DataLoader(Noisy(self.noise), batch_size=BATCH, shuffle=True, num_workers=self.workers),
-                "b": DataLoader(Noisy(self.noise), batch_size=2 * BATCH, shuffle=True, num_workers=self.workers)}
+        return {
+            "a": DataLoader(Noisy(self.noise), batch_size=BATCH, shuffle=True, num_workers=self.workers),
+            "b": DataLoader(Noisy(self.noise), batch_size=2 * BATCH, shuffle=True, num_workers=self.workers),
+        }
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
@@ -214,8 +259,9 @@ class TwoLoaders(Stochastic):
 def test_two_loaders_resume_bitwise_past_the_shorter_ones_length(tmp_path: Path, workers: int) -> None:
     """Resumed at batch 4, the 3-batch loader is 1 batch into its second pass (on the previous tree it
     counted the epoch from its own length, skipped nothing, and failed the first-batch check)."""
-    _assert_resumes_bitwise(tmp_path, workers, ("step=2.ckpt", "epoch=0.ckpt", "val_end_epoch=0.ckpt"),
-                            module=TwoLoaders)
+    _assert_resumes_bitwise(
+        tmp_path, workers, ("step=2.ckpt", "epoch=0.ckpt", "val_end_epoch=0.ckpt"), module=TwoLoaders
+    )
 
 
 class _FirstBatchGenerator(pl.Callback):
@@ -233,7 +279,8 @@ class _FirstBatchGenerator(pl.Callback):
 @pytest.mark.distributed
 @pytest.mark.parametrize("checkpoint", [None, "step=2.ckpt", "epoch=0.ckpt"], ids=["fresh", "mid_epoch", "epoch_end"])
 def test_the_generators_kept_at_training_start_are_those_a_checkpoint_there_must_hold(
-        tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, checkpoint: str | None) -> None:
+    tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, checkpoint: str | None
+) -> None:
     """What the watchdog's last checkpoint holds when a rank is lost in a fit's first window
     (strategies.window_generators): resumed, the checkpoint's own generators (at an epoch's start those
     before its iterator drew, which a resume draws again); fresh, those before the first training

@@ -26,13 +26,16 @@ def test_shard_sizes_cover_every_sample_once() -> None:
         shard_sizes(4, 0)
 
 
-@pytest.mark.parametrize("num_samples, batch_size, limit, layout, lengths", [
-    (11, 4, 1.0, "contiguous", (6, 5)),          # 6 + 5 samples: 2 + 2 batches
-    (5, 2, 0.5, "strided_padded", (3, 3)),       # 3 + 2 samples: 2 + 1 batches -> int(0.5 * 1) = 0 on rank 1
-    (5, 2, 1, "contiguous", (3, 2)),             # an int limit keeps one batch on each rank
-    (1, 4, 1.0, "strided_padded", (1, 1)),       # fewer samples than ranks
-    (0, 4, 1.0, "contiguous", (0, 0)),           # nothing on any rank: every rank skips, consistently
-])
+@pytest.mark.parametrize(
+    "num_samples, batch_size, limit, layout, lengths",
+    [
+        (11, 4, 1.0, "contiguous", (6, 5)),  # 6 + 5 samples: 2 + 2 batches
+        (5, 2, 0.5, "strided_padded", (3, 3)),  # 3 + 2 samples: 2 + 1 batches -> int(0.5 * 1) = 0 on rank 1
+        (5, 2, 1, "contiguous", (3, 2)),  # an int limit keeps one batch on each rank
+        (1, 4, 1.0, "strided_padded", (1, 1)),  # fewer samples than ranks
+        (0, 4, 1.0, "contiguous", (0, 0)),  # nothing on any rank: every rank skips, consistently
+    ],
+)
 def test_a_plan_keeps_every_rank_in_or_every_rank_out(num_samples, batch_size, limit, layout, lengths) -> None:
     plan = ShardPlan.decide(num_samples, 2, batch_size=batch_size, limit=limit)
     assert (plan.layout, plan.lengths, plan.world_size) == (layout, lengths, 2)
@@ -58,8 +61,10 @@ def test_contiguous_shards_follow_the_given_order() -> None:
 
 def test_strided_padded_layout_is_distributed_samplers() -> None:
     for n, world_size in [(11, 2), (10, 3), (2, 3), (1, 4)]:
-        expected = [list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
-                    for r in range(world_size)]
+        expected = [
+            list(DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=False))
+            for r in range(world_size)
+        ]
         assert make_shards(list(range(n)), world_size, "strided_padded") == expected
         assert shard_lengths(n, world_size, "strided_padded") == [len(e) for e in expected]
     with pytest.raises(ValueError, match="layout"):

@@ -32,10 +32,17 @@ class _SlowSteps(BoringModel):
 
 def test_sigint_to_the_launching_process_alone_stops_every_worker_with_a_checkpoint(tmp_path) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=5, logger=False, enable_progress_bar=False,
-                         strategy=CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
-                         enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1000)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=5,
+        logger=False,
+        enable_progress_bar=False,
+        strategy=CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1000)],
+    )
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))  # to this process only
     timer.start()
     try:

@@ -34,8 +34,10 @@ CUSTOM_RUNS = {
     "custom_ddp": ("custom_ddp", None, ("ddp", None)),
     "custom_ddp_fork": ("custom_ddp_fork", None, ("ddp_fork", None)),
     "custom_ddp_spawn": ("custom_ddp_spawn", None, ("ddp_spawn", None)),
-    **{f"CustomDDPStrategy(start_method={method})": ("CustomDDPStrategy", method, ("DDPStrategy", method))
-       for method in ("popen", "fork", "spawn")},
+    **{
+        f"CustomDDPStrategy(start_method={method})": ("CustomDDPStrategy", method, ("DDPStrategy", method))
+        for method in ("popen", "fork", "spawn")
+    },
     # Lightning's ddp with forkserver shares the weights' memory between the ranks on CPU (a race, see
     # strategies.launchers): its spawn run, which unshares, is the reference.
     "CustomDDPStrategy(start_method=forkserver)": ("CustomDDPStrategy", "forkserver", ("DDPStrategy", "spawn")),

@@ -9,9 +9,8 @@ group's concatenated batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 import train  # train.py at the repository root, on pytest's pythonpath
-from measure.collective_count import count_collectives
-from callbacks.run_hparams import flatten_hparams
-from measure.run_info import strategy_options
 from benchmarks.launcher import WorkerError, run_workers
+from callbacks.run_hparams import flatten_hparams
+from measure.collective_count import count_collectives
+from measure.run_info import strategy_options
 from parallel.grad_sync import SyncedDataParallel
 from strategies import CustomDDPStrategy
 from strategies.layer_sync import CustomSyncBatchNorm
@@ -36,23 +35,40 @@ def _plugin_for_fit(strategy: CustomDDPStrategy) -> Any:
 
 
 def test_options_from_the_command_line_reach_the_strategy_and_its_record() -> None:
-    cli = train.main(["--config", "configs/quickstart.yaml", "--trainer.strategy=custom_ddp_fork",
-                      "--trainer.strategy.grad_compression=bf16", "--trainer.strategy.first_bucket_cap_mb=0.5",
-                      "--trainer.strategy.syncbn_group_size=2", "--trainer.strategy.syncbn_compile=true"], run=False)
+    cli = train.main(
+        [
+            "--config",
+            "configs/quickstart.yaml",
+            "--trainer.strategy=custom_ddp_fork",
+            "--trainer.strategy.grad_compression=bf16",
+            "--trainer.strategy.first_bucket_cap_mb=0.5",
+            "--trainer.strategy.syncbn_group_size=2",
+            "--trainer.strategy.syncbn_compile=true",
+        ],
+        run=False,
+    )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy)
     keys = ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size", "syncbn_compile")
-    assert {key: getattr(strategy.options, key) for key in keys} \
-        == {"grad_compression": "bf16", "first_bucket_cap_mb": 0.5, "syncbn_group_size": 2, "syncbn_compile": True}
+    assert {key: getattr(strategy.options, key) for key in keys} == {
+        "grad_compression": "bf16",
+        "first_bucket_cap_mb": 0.5,
+        "syncbn_group_size": 2,
+        "syncbn_compile": True,
+    }
 
 
 def test_options_are_recorded_as_hyperparameters_and_in_benchmark_records() -> None:
     # strategy_options feeds RunHparams (TensorBoard HPARAMS) and BenchmarkMonitor's records.
     options = strategy_options(CustomDDPStrategy(grad_compression="fp16", syncbn_group_size=2, first_bucket_cap_mb=1))
     flat = flatten_hparams(options, prefix="strategy/")
-    assert {key: flat[f"strategy/{key}"] for key in ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size")} \
-        == {"grad_compression": "fp16", "first_bucket_cap_mb": 1.0, "syncbn_group_size": 2}
-    assert flatten_hparams(strategy_options(CustomDDPStrategy()), prefix="strategy/")["strategy/grad_compression"] == "None"
+    assert {
+        key: flat[f"strategy/{key}"] for key in ("grad_compression", "first_bucket_cap_mb", "syncbn_group_size")
+    } == {"grad_compression": "fp16", "first_bucket_cap_mb": 1.0, "syncbn_group_size": 2}
+    assert (
+        flatten_hparams(strategy_options(CustomDDPStrategy()), prefix="strategy/")["strategy/grad_compression"]
+        == "None"
+    )
 
 
 def test_defaults_are_torch_ddps_except_the_first_bucket_on_gloo() -> None:
@@ -149,7 +165,7 @@ _CHANNELS = 4
 def _group_batches() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(sum(_SIZES), _CHANNELS, 3, 3, generator=generator)
-    x[sum(_SIZES[:2]):] = 5.0 + 3.0 * x[sum(_SIZES[:2]):]  # the second group's statistics differ
+    x[sum(_SIZES[:2]) :] = 5.0 + 3.0 * x[sum(_SIZES[:2]) :]  # the second group's statistics differ
     return x, torch.randn(x.shape, generator=generator)
 
 
@@ -165,8 +181,14 @@ def _grouped_syncbn(rank: int, world_size: int) -> dict:
     out = net(x)
     out.backward(grad[_rows(rank)])
     layer = net[0]
-    return {"ranks": dist.get_process_group_ranks(plugin.process_group), "out": out.detach(), "grad": x.grad,
-            "weight_grad": layer.weight.grad, "running_mean": layer.running_mean, "running_var": layer.running_var}
+    return {
+        "ranks": dist.get_process_group_ranks(plugin.process_group),
+        "out": out.detach(),
+        "grad": x.grad,
+        "weight_grad": layer.weight.grad,
+        "running_mean": layer.running_mean,
+        "running_var": layer.running_var,
+    }
 
 
 @pytest.mark.distributed

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
-from strategies.layer_sync import CustomSyncBatchNorm
 from parallel.syncbn import SyncBatchNorm
+from strategies.layer_sync import CustomSyncBatchNorm
 
 
 def _pair(torch_class, num_features, **kwargs):
@@ -58,7 +58,7 @@ def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kw
         ours.train(mode == "train")
         x = 3.0 + 2.0 * torch.randn(shape, generator=generator, dtype=torch.float64)
         grad = torch.randn(shape, generator=generator, dtype=torch.float64)
-        for got, want in zip(_step(ours, x, grad), _step(reference, x, grad)):
+        for got, want in zip(_step(ours, x, grad), _step(reference, x, grad), strict=True):
             torch.testing.assert_close(got, want)
     torch.testing.assert_close(ours.state_dict(), reference.state_dict())
     if reference.affine:
@@ -213,7 +213,7 @@ def test_convert_without_bias_keeps_bias_none_and_matches_torch():
         converted.train(mode == "train")
         x = 1.0 + torch.randn(3, 4, 2, 5, generator=generator, dtype=torch.float64)
         grad = torch.randn(3, 4, 2, 5, generator=generator, dtype=torch.float64)
-        for got, want in zip(_step(converted, x, grad), _step(reference, x, grad)):
+        for got, want in zip(_step(converted, x, grad), _step(reference, x, grad), strict=True):
             torch.testing.assert_close(got, want)
     torch.testing.assert_close(converted.weight.grad, reference.weight.grad)
     torch.testing.assert_close(converted.state_dict(), reference.state_dict())

@@ -16,6 +16,15 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
+from syncbn_cases import (
+    CASES,
+    COMPILE_EVERY_SHAPE,
+    COMPILE_TIMEOUT_S,
+    assert_matches,
+    no_silent_fallback,
+    reference,
+    sync_worker,
+)
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
@@ -24,8 +33,6 @@ import parallel.syncbn
 from benchmarks.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 from parallel.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
-from syncbn_cases import (
-    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, assert_matches, no_silent_fallback, reference, sync_worker)
 
 pytestmark = pytest.mark.distributed
 
@@ -40,9 +47,13 @@ def _parity_worker(rank: int, world_size: int, case) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out.append(layer(x))
         out[0].square().sum().backward()
-    return {"eager": eager, "compiled": compiled, "graphs": counters["stats"]["unique_graphs"] - graphs_before,
-            "compiled_calls": sum(e.name.startswith("Torch-Compiled Region") for e in prof.events()),
-            "collectives": sum(e.name.startswith("c10d::") for e in prof.events())}
+    return {
+        "eager": eager,
+        "compiled": compiled,
+        "graphs": counters["stats"]["unique_graphs"] - graphs_before,
+        "compiled_calls": sum(e.name.startswith("Torch-Compiled Region") for e in prof.events()),
+        "collectives": sum(e.name.startswith("c10d::") for e in prof.events()),
+    }
 
 
 def test_compiled_matches_eager_and_batch_norm_on_two_ranks(tmp_path):
@@ -68,7 +79,9 @@ def _as_expected(results: list[dict]) -> dict:
     return eager[0] | {
         "outputs": [torch.cat([r["outputs"][s] for r in eager]) for s in steps],
         "input_grads": [torch.cat([r["input_grads"][s] for r in eager]) for s in steps],
-        "weight_grad": sum(r["weight_grad"] for r in eager), "bias_grad": sum(r["bias_grad"] for r in eager)}
+        "weight_grad": sum(r["weight_grad"] for r in eager),
+        "bias_grad": sum(r["bias_grad"] for r in eager),
+    }
 
 
 def _failing_backend(graph_module, example_inputs):
@@ -85,20 +98,26 @@ def _fallback_worker(rank: int, world_size: int, failure: str) -> dict:
         functorch_config.enable_autograd_cache = False
         parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
     else:
-        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(backend=_failing_backend, min_elements=0, spatial_only=False)
+        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(
+            backend=_failing_backend, min_elements=0, spatial_only=False
+        )
     compiled, eager = SyncBatchNorm(3, compile=True), SyncBatchNorm(3)
     x = 2.0 + torch.randn(4, 3, 5, 5, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         steps = [[_step(layer, x) for layer in (compiled, eager)] for _ in range(2)]
-    return {"steps": steps, "running_var": (compiled.running_var, eager.running_var),
-            "messages": [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]}
+    return {
+        "steps": steps,
+        "running_var": (compiled.running_var, eager.running_var),
+        "messages": [str(w.message) for w in caught if "torch.compile failed" in str(w.message)],
+    }
 
 
 @pytest.mark.parametrize("failure", ["no-compiler", "backend-error"])
 def test_a_failing_compile_warns_once_and_runs_the_same_math_eagerly(tmp_path, failure):
-    (result,) = run_workers(_fallback_worker, 1, args=(failure,), init_file=tmp_path / "store",
-                            timeout_s=COMPILE_TIMEOUT_S)
+    (result,) = run_workers(
+        _fallback_worker, 1, args=(failure,), init_file=tmp_path / "store", timeout_s=COMPILE_TIMEOUT_S
+    )
 
     for compiled, eager in result["steps"]:
         torch.testing.assert_close(compiled, eager)
@@ -147,8 +166,12 @@ def _recompile_worker(rank: int, world_size: int) -> list[int]:
             _step(layer, torch.randn(n, layer.num_features, 6, 6))
         return counters["stats"]["unique_graphs"] - before
 
-    return [graphs_after(layers[0], 32, 9, 1), graphs_after(layers[0], 31, 17, 64, 7, 2, 16),
-            graphs_after(layers[1], 32, 5), graphs_after(layers[2], 32, 5, 1)]
+    return [
+        graphs_after(layers[0], 32, 9, 1),
+        graphs_after(layers[0], 31, 17, 64, 7, 2, 16),
+        graphs_after(layers[1], 32, 5),
+        graphs_after(layers[2], 32, 5, 1),
+    ]
 
 
 @pytest.mark.slow
@@ -156,8 +179,9 @@ def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(tmp_path):
     """The batch dimension is dynamic: after sizes 32, 9 and 1 (inductor keeps graphs for >= 17,
     2-16 and 1), a ragged last batch or another batch size compiles nothing, nor does a second
     layer of the same shape; a new layer shape compiles once more."""
-    (first, new_sizes, same_shape, new_shape), = run_workers(_recompile_worker, 1, init_file=tmp_path / "store",
-                                                              timeout_s=COMPILE_TIMEOUT_S)
+    ((first, new_sizes, same_shape, new_shape),) = run_workers(
+        _recompile_worker, 1, init_file=tmp_path / "store", timeout_s=COMPILE_TIMEOUT_S
+    )
     assert 4 <= first <= 12, first  # 4 passes x at most 3 size classes
     assert new_sizes == 0  # ragged and new batch sizes
     assert same_shape == 0  # another layer, same shape
@@ -182,10 +206,17 @@ def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compil
 def test_fp16_and_bf16_inputs_match_the_eager_kernel(tmp_path, dtype):
     """Half-precision inputs (no autocast): fp32 statistics inside, results rounded once to the
     input dtype, so compiled and eager agree within one rounding of that dtype."""
-    got, want = (run_workers(_low_precision_worker, 2, args=(dtype, compile), init_file=tmp_path / f"store{compile}",
-                             timeout_s=COMPILE_TIMEOUT_S)
-                 for compile in (True, False))
-    for (out, grad), (out_eager, grad_eager) in zip(got, want):
+    got, want = (
+        run_workers(
+            _low_precision_worker,
+            2,
+            args=(dtype, compile),
+            init_file=tmp_path / f"store{compile}",
+            timeout_s=COMPILE_TIMEOUT_S,
+        )
+        for compile in (True, False)
+    )
+    for (out, grad), (out_eager, grad_eager) in zip(got, want, strict=True):
         assert out.dtype == grad.dtype == dtype
         torch.testing.assert_close(out, out_eager, atol=2e-2, rtol=1e-2)
         torch.testing.assert_close(grad, grad_eager, atol=2e-2, rtol=1e-2)

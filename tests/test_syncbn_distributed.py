@@ -10,6 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from syncbn_cases import (
+    CASES,
+    COMPILE_EVERY_SHAPE,
+    COMPILE_TIMEOUT_S,
+    Case,
+    assert_matches,
+    init_affine,
+    make_layer,
+    no_silent_fallback,
+    reference,
+    sync_worker,
+    timeout_s,
+    with_compiled,
+)
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -17,17 +31,15 @@ import parallel.syncbn
 from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
-from syncbn_cases import (
-    CASES, COMPILE_EVERY_SHAPE, COMPILE_TIMEOUT_S, Case, assert_matches, init_affine, make_layer, no_silent_fallback,
-    reference, sync_worker, timeout_s, with_compiled)
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("case", with_compiled(CASES))
 def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
-    results = run_workers(sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store",
-                          timeout_s=timeout_s(case))
+    results = run_workers(
+        sync_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case)
+    )
 
     assert_matches(results, reference(case), atol=2e-5, rtol=1e-4)
     for rank, result in enumerate(results):
@@ -36,7 +48,9 @@ def test_matches_torch_batch_norm_on_the_global_batch(tmp_path, case):
             assert result["outputs"][0].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("case", with_compiled({"offset-1e4": Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)}))
+@pytest.mark.parametrize(
+    "case", with_compiled({"offset-1e4": Case(sizes=(64, 40), feature_shape=(4, 8, 8), offset=1e4)})
+)
 def test_large_offset_is_as_accurate_as_torch(tmp_path, case):
     """1e4 + N(0, 1) in fp32: the error vs an fp64 reference stays within torch's own."""
     results = run_workers(sync_worker, 2, args=(case,), init_file=tmp_path / "store", timeout_s=timeout_s(case))
@@ -186,8 +200,13 @@ def _net_worker(rank: int, world_size: int, norm_kwargs: dict, compile: bool) ->
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("norm_kwargs", [{"bias": False}, {"affine": False}], ids=["no-bias", "no-affine"])
 def test_converted_conv_net_trains_like_one_process_on_the_global_batch(tmp_path, norm_kwargs, compile):
-    results = run_workers(_net_worker, 2, args=(norm_kwargs, compile), init_file=tmp_path / "store",
-                          timeout_s=COMPILE_TIMEOUT_S if compile else 60.0)
+    results = run_workers(
+        _net_worker,
+        2,
+        args=(norm_kwargs, compile),
+        init_file=tmp_path / "store",
+        timeout_s=COMPILE_TIMEOUT_S if compile else 60.0,
+    )
 
     expected = _train_net(_conv_net(norm_kwargs), slice(None), 1 / sum(_NET_SIZES))
     for result in results:

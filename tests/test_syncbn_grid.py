@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.launcher import run_workers
 import parallel.syncbn
+from benchmarks.launcher import run_workers
 from parallel.syncbn import SyncBatchNorm
 from parallel.syncbn_kernels import compiled_kernels
 
@@ -43,16 +43,29 @@ def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int, comp
     return out.detach(), local.grad
 
 
-_COMPILED_SUBSET = [pytest.param(4, hid_dim, 32, True, id=f"4-{hid_dim}-32-compiled", marks=pytest.mark.slow)
-                    for hid_dim in (128, 1024)]
+_COMPILED_SUBSET = [
+    pytest.param(4, hid_dim, 32, True, id=f"4-{hid_dim}-32-compiled", marks=pytest.mark.slow) for hid_dim in (128, 1024)
+]
 
 
-@pytest.mark.parametrize(("num_workers", "hid_dim", "batch_size", "compile"), [
-    *(pytest.param(w, h, b, False, id=f"{w}-{h}-{b}") for w in (1, 4) for h in (128, 256, 512, 1024) for b in (32, 64)),
-    *_COMPILED_SUBSET])
+@pytest.mark.parametrize(
+    ("num_workers", "hid_dim", "batch_size", "compile"),
+    [
+        *(
+            pytest.param(w, h, b, False, id=f"{w}-{h}-{b}")
+            for w in (1, 4)
+            for h in (128, 256, 512, 1024)
+            for b in (32, 64)
+        ),
+        *_COMPILED_SUBSET,
+    ],
+)
 def test_shards_match_batchnorm1d_on_the_global_batch(tmp_path, num_workers, hid_dim, batch_size, compile):
     results = run_workers(
-        _grid_worker, num_workers, args=(hid_dim, batch_size, compile), init_file=tmp_path / "store",
+        _grid_worker,
+        num_workers,
+        args=(hid_dim, batch_size, compile),
+        init_file=tmp_path / "store",
         timeout_s=600.0 if compile else 60.0,  # compiling takes ~20 s cold, several times that under load
     )
 

@@ -12,19 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from train_cli_helpers import CONFIGS, REPO, WARNING_LINE
 
 import train
 from lit_cifar.data import CIFAR100DataModule
 from lit_cifar.module import LitClassifier
 from lit_cifar.transforms import normalize
-from train_cli_helpers import CONFIGS, REPO, WARNING_LINE
 
 
 def test_print_config_from_the_command_line() -> None:
     # The real entry point, as README shows it (a subprocess: argv parsing, imports, exit code).
     result = subprocess.run(
         [sys.executable, "train.py", "fit", "--config", "configs/quickstart.yaml", "--print_config"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     config = yaml.safe_load(result.stdout)
     assert config["model"]["net"] == "template" and config["data"]["dataset"] == "auto"
@@ -32,10 +36,15 @@ def test_print_config_from_the_command_line() -> None:
 
 
 TINY_ARGS = [
-    "--data.dataset=synthetic", "--data.synthetic_train_size=400", "--data.synthetic_test_size=200",
-    "--data.val_size=100", "--data.batch_size=64", "--trainer.enable_progress_bar=false",
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=400",
+    "--data.synthetic_test_size=200",
+    "--data.val_size=100",
+    "--data.batch_size=64",
+    "--trainer.enable_progress_bar=false",
     # In this process: the quickstart's 2 popen processes would re-run pytest's own command line.
-    "--trainer.devices=1", "--trainer.strategy=auto",
+    "--trainer.devices=1",
+    "--trainer.strategy=auto",
 ]
 
 
@@ -43,11 +52,20 @@ TINY_ARGS = [
 def fit_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
     """One 2-step fit through the CLI on TINY data, one process, in a job folder: (cli, root_dir)."""
     root_dir = tmp_path_factory.mktemp("job")
-    cli = train.main([
-        "fit", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", f"--trainer.default_root_dir={root_dir}",
-        "--trainer.callbacks+=BenchmarkMonitor", "--trainer.callbacks.warmup_steps=1",
-    ])
+    cli = train.main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            *TINY_ARGS,
+            f"--data.data_dir={data_dir}",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            f"--trainer.default_root_dir={root_dir}",
+            "--trainer.callbacks+=BenchmarkMonitor",
+            "--trainer.callbacks.warmup_steps=1",
+        ]
+    )
     return cli, root_dir
 
 
@@ -79,10 +97,18 @@ def test_fit_through_the_cli_writes_everything_under_default_root_dir(fit_run: t
 def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir: Path) -> None:
     _, root_dir = fit_run
     checkpoint = root_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    cli = train.main([
-        "predict", "--config", str(CONFIGS / "quickstart.yaml"), *TINY_ARGS, f"--data.data_dir={data_dir}",
-        "--data.eval_batch_size=48", f"--trainer.default_root_dir={root_dir}", f"--ckpt_path={checkpoint}",
-    ])
+    cli = train.main(
+        [
+            "predict",
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            *TINY_ARGS,
+            f"--data.data_dir={data_dir}",
+            "--data.eval_batch_size=48",
+            f"--trainer.default_root_dir={root_dir}",
+            f"--ckpt_path={checkpoint}",
+        ]
+    )
     path = root_dir / "lightning_logs" / "version_1" / "predictions.pt"  # the predict run's own log dir
     (writer,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, train.PredictionWriter)]
     assert writer.written == [path]
@@ -103,13 +129,25 @@ def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_c
     """README's first command as typed (custom_ddp, 2 processes started by popen, dataset=auto falling back to
     synthetic data), on tiny sizes, plus BenchmarkMonitor: what the console shows, and what it no longer shows."""
     command = [
-        sys.executable, "train.py", "fit", "--config", "configs/quickstart.yaml",
-        f"--data.data_dir={tmp_path / 'data'}", "--data.download=false",  # never fetch 160 MB in a test
-        "--data.synthetic_train_size=400", "--data.synthetic_test_size=200", "--data.val_size=100",
-        "--data.batch_size=32", "--data.eval_batch_size=50", "--trainer.max_epochs=1",
-        "--trainer.limit_train_batches=3", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+        sys.executable,
+        "train.py",
+        "fit",
+        "--config",
+        "configs/quickstart.yaml",
+        f"--data.data_dir={tmp_path / 'data'}",
+        "--data.download=false",  # never fetch 160 MB in a test
+        "--data.synthetic_train_size=400",
+        "--data.synthetic_test_size=200",
+        "--data.val_size=100",
+        "--data.batch_size=32",
+        "--data.eval_batch_size=50",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=3",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.callbacks+=BenchmarkMonitor", "--trainer.callbacks.warmup_steps=1",
+        "--trainer.callbacks+=BenchmarkMonitor",
+        "--trainer.callbacks.warmup_steps=1",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
@@ -156,14 +194,26 @@ def test_lightning_tips_are_dropped_and_other_messages_kept() -> None:
 
 @pytest.mark.parametrize(
     ("flags", "save_dir"),
-    [((), "."), (("--trainer.default_root_dir={tmp}/job",), "{tmp}/job"),
-     (("--trainer.default_root_dir={tmp}/job", "--trainer.logger.init_args.save_dir={tmp}/logs"), "{tmp}/logs")],
+    [
+        ((), "."),
+        (("--trainer.default_root_dir={tmp}/job",), "{tmp}/job"),
+        (("--trainer.default_root_dir={tmp}/job", "--trainer.logger.init_args.save_dir={tmp}/logs"), "{tmp}/logs"),
+    ],
     ids=["working-directory", "default-root-dir", "explicit-save-dir-wins"],
 )
-def test_the_logger_follows_default_root_dir_unless_given_its_own(tmp_path: Path, flags: tuple[str, ...],
-                                                                  save_dir: str) -> None:
-    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.devices=1", "--trainer.strategy=auto",
-                      *(flag.format(tmp=tmp_path) for flag in flags)], run=False)
+def test_the_logger_follows_default_root_dir_unless_given_its_own(
+    tmp_path: Path, flags: tuple[str, ...], save_dir: str
+) -> None:
+    cli = train.main(
+        [
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            "--trainer.devices=1",
+            "--trainer.strategy=auto",
+            *(flag.format(tmp=tmp_path) for flag in flags),
+        ],
+        run=False,
+    )
     assert cli.trainer.logger.save_dir == save_dir.format(tmp=tmp_path)
     assert Path(cli.trainer.log_dir).parent == Path(save_dir.format(tmp=tmp_path)) / "lightning_logs"
 
@@ -174,10 +224,18 @@ def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> No
     Lightning's _pytree (every run) and ModelCheckpoint's "The dirpath has changed" (test and predict). A new
     warning fails here."""
     common = [
-        "--config", "configs/quickstart.yaml", "--trainer.devices=1", "--trainer.strategy=auto",
+        "--config",
+        "configs/quickstart.yaml",
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
         f"--trainer.default_root_dir={tmp_path}",
-        f"--data.data_dir={data_dir}", "--data.dataset=synthetic", "--data.synthetic_train_size=400",
-        "--data.synthetic_test_size=200", "--data.val_size=100", "--data.batch_size=32", "--data.eval_batch_size=50",
+        f"--data.data_dir={data_dir}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_train_size=400",
+        "--data.synthetic_test_size=200",
+        "--data.val_size=100",
+        "--data.batch_size=32",
+        "--data.eval_batch_size=50",
         "--trainer.enable_progress_bar=false",
     ]
     checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
@@ -188,8 +246,13 @@ def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> No
         "predict": [f"--ckpt_path={checkpoint}"],
     }
     for subcommand, flags in runs.items():
-        done = subprocess.run([sys.executable, "train.py", subcommand, *common, *flags], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "train.py", subcommand, *common, *flags],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-4000:]
         assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"

@@ -9,10 +9,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from train_cli_helpers import CONFIGS, print_config, stderr_lines
 
 import train
 from strategies import CustomDDPStrategy
-from train_cli_helpers import CONFIGS, print_config, stderr_lines
 
 
 def _strategy_name(strategy: str | dict) -> str:
@@ -22,14 +22,31 @@ def _strategy_name(strategy: str | dict) -> str:
 @pytest.mark.parametrize(
     ("configs", "expected"),
     [
-        (("quickstart.yaml",),
-         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "strategies.CustomDDPStrategy"}),
+        (
+            ("quickstart.yaml",),
+            {"net": "template", "devices": 2, "dataset": "auto", "strategy": "strategies.CustomDDPStrategy"},
+        ),
         (("cifar100_resnet18.yaml",), {"net": "resnet18", "devices": -1, "dataset": "cifar100"}),
-        (("cifar100_template_net.yaml",),
-         {"net": "template", "devices": 2, "accumulate": 2, "batch_size": 32, "strategy": "strategies.CustomDDPStrategy"}),
+        (
+            ("cifar100_template_net.yaml",),
+            {
+                "net": "template",
+                "devices": 2,
+                "accumulate": 2,
+                "batch_size": 32,
+                "strategy": "strategies.CustomDDPStrategy",
+            },
+        ),
         (("custom_ddp_cpu.yaml",), {"devices": 2, "accumulate": 2, "strategy": "strategies.CustomDDPStrategy"}),
-        (("quickstart.yaml", "ddp_cpu.yaml"),
-         {"net": "template", "devices": 2, "dataset": "auto", "strategy": "lightning.pytorch.strategies.DDPStrategy"}),
+        (
+            ("quickstart.yaml", "ddp_cpu.yaml"),
+            {
+                "net": "template",
+                "devices": 2,
+                "dataset": "auto",
+                "strategy": "lightning.pytorch.strategies.DDPStrategy",
+            },
+        ),
     ],
 )
 def test_shipped_configs_parse(capsys: pytest.CaptureFixture, configs: tuple[str, ...], expected: dict) -> None:
@@ -65,14 +82,26 @@ def test_optimizer_key_in_a_config_file_is_rejected(capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--trainer.strategy=custom_ddp", "--trainer.strategy.sync_mode=flat"],
-         {"sync_mode": "flat", "start_method": "popen"}),
-        (["--trainer.strategy", "custom_ddp_fork", "--trainer.strategy.zero1=true"],
-         {"zero1": True, "start_method": "fork", "sync_mode": "bucketed"}),
-        (["--trainer.strategy=custom_ddp_spawn", "--trainer.strategy.init_args.start_method=popen"],
-         {"start_method": "popen"}),  # the user's option wins over the registered one
-        (["--trainer.strategy=CustomDDPStrategy", "--trainer.strategy.bucket_cap_mb=4", "--trainer.strategy.timeout=90"],
-         {"bucket_cap_mb": 4.0, "timeout": 90.0}),
+        (
+            ["--trainer.strategy=custom_ddp", "--trainer.strategy.sync_mode=flat"],
+            {"sync_mode": "flat", "start_method": "popen"},
+        ),
+        (
+            ["--trainer.strategy", "custom_ddp_fork", "--trainer.strategy.zero1=true"],
+            {"zero1": True, "start_method": "fork", "sync_mode": "bucketed"},
+        ),
+        (
+            ["--trainer.strategy=custom_ddp_spawn", "--trainer.strategy.init_args.start_method=popen"],
+            {"start_method": "popen"},
+        ),  # the user's option wins over the registered one
+        (
+            [
+                "--trainer.strategy=CustomDDPStrategy",
+                "--trainer.strategy.bucket_cap_mb=4",
+                "--trainer.strategy.timeout=90",
+            ],
+            {"bucket_cap_mb": 4.0, "timeout": 90.0},
+        ),
     ],
     ids=["registered-name", "fork-name-space-separated", "user-wins", "short-class-name"],
 )
@@ -85,11 +114,15 @@ def test_strategy_options_from_the_command_line(capsys: pytest.CaptureFixture, a
 @pytest.mark.parametrize(("timeout", "seconds"), [("90", 90), ("2.5", 2.5), ("0:05:00", 300)])
 def test_strategy_options_from_yaml_by_short_class_name(tmp_path: Path, timeout: str, seconds: float) -> None:
     config = tmp_path / "strategy.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: CustomDDPStrategy\n"
-                      f"    init_args:\n      sync_mode: per_param\n      timeout: {timeout}\n")
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: CustomDDPStrategy\n"
+        f"    init_args:\n      sync_mode: per_param\n      timeout: {timeout}\n"
+    )
     # A flag still overrides one option of it; the rest stays.
-    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config),
-                      "--trainer.strategy.zero1=true"], run=False)
+    cli = train.main(
+        ["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config), "--trainer.strategy.zero1=true"],
+        run=False,
+    )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy)
     options = strategy.options
@@ -102,8 +135,16 @@ def test_registered_name_without_options_stays_a_name(capsys: pytest.CaptureFixt
 
 
 def test_strategy_built_from_name_options_and_seconds() -> None:
-    cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy=custom_ddp_fork",
-                      "--trainer.strategy.sync_mode=flat", "--trainer.strategy.timeout=90"], run=False)
+    cli = train.main(
+        [
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            "--trainer.strategy=custom_ddp_fork",
+            "--trainer.strategy.sync_mode=flat",
+            "--trainer.strategy.timeout=90",
+        ],
+        run=False,
+    )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy) and strategy.options.sync_mode == "flat"
     assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
@@ -114,26 +155,44 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
     [
         # The strategy's own checks, which jsonargparse would fold into its 58-line Union report.
         (("--trainer.strategy.bucket_cap_mb=-1",), "CustomDDPStrategy: bucket_cap_mb=-1.0 must be a number > 0"),
-        (("--trainer.strategy=custom_ddp", "--trainer.strategy.timeout=0"),
-         "CustomDDPStrategy: timeout=0.0 must be > 0 seconds"),
+        (
+            ("--trainer.strategy=custom_ddp", "--trainer.strategy.timeout=0"),
+            "CustomDDPStrategy: timeout=0.0 must be > 0 seconds",
+        ),
         # A parse error inside the same Union, and one after 60 lines of usage: the innermost reason and its key.
-        (("--trainer.strategy.sync_mode=foo",),
-         "trainer.strategy.sync_mode: Expected a typing.Literal['bucketed', 'flat', 'per_param', 'per_param_overlap']"),
+        (
+            ("--trainer.strategy.sync_mode=foo",),
+            "trainer.strategy.sync_mode: Expected a typing.Literal['bucketed', 'flat', 'per_param', "
+            "'per_param_overlap']",
+        ),
         (("--data.dataset=foo",), "data.dataset: Expected a typing.Literal['cifar100', 'synthetic', 'auto']"),
         # An innermost Union: what each of its types said.
-        (("--trainer.strategy.timeout=abc",),
-         "trainer.strategy.timeout: Expected a <class 'float'> / Not of type timedelta: Expected a string with form"),
+        (
+            ("--trainer.strategy.timeout=abc",),
+            "trainer.strategy.timeout: Expected a <class 'float'> / Not of type timedelta: Expected a string with form",
+        ),
         # The data's and the model's own checks (OptionError), raised while LightningCLI builds them.
         (("--data.batch_size=0",), "batch_size (0) and eval_batch_size (500) must be >= 1."),
         (("--model.net=foo",), "unknown net 'foo'; choose one of ['resnet18', 'template']."),
-        (("--model.net_kwargs={\"widht\": 0.5}",),
-         "model.net_kwargs {'widht': 0.5}: net 'template' takes no 'widht'; it takes ['dropout']"),
+        (
+            ('--model.net_kwargs={"widht": 0.5}',),
+            "model.net_kwargs {'widht': 0.5}: net 'template' takes no 'widht'; it takes ['dropout']",
+        ),
     ],
-    ids=["strategy-check", "strategy-timeout", "strategy-literal", "data-literal", "strategy-union", "data-check",
-         "model-check", "net-kwargs"],
+    ids=[
+        "strategy-check",
+        "strategy-timeout",
+        "strategy-literal",
+        "data-literal",
+        "strategy-union",
+        "data-check",
+        "model-check",
+        "net-kwargs",
+    ],
 )
-def test_a_bad_option_is_reported_in_one_line(capsys: pytest.CaptureFixture, options: tuple[str, ...],
-                                              reason: str) -> None:
+def test_a_bad_option_is_reported_in_one_line(
+    capsys: pytest.CaptureFixture, options: tuple[str, ...], reason: str
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--config", str(CONFIGS / "quickstart.yaml"), *options], run=False)
     assert exit_info.value.code == 2
@@ -144,8 +203,16 @@ def test_a_bad_option_is_reported_in_one_line(capsys: pytest.CaptureFixture, opt
 
 def test_the_hint_names_the_subcommand(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        train.main(["test", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.devices=1",
-                    "--trainer.strategy=auto", "--trainer.nonsense=1"])
+        train.main(
+            [
+                "test",
+                "--config",
+                str(CONFIGS / "quickstart.yaml"),
+                "--trainer.devices=1",
+                "--trainer.strategy=auto",
+                "--trainer.nonsense=1",
+            ]
+        )
     assert stderr_lines(capsys) == [
         "error: unrecognized arguments: --trainer.nonsense=1",
         "  (every option: python train.py test --help; jsonargparse's full report: JSONARGPARSE_DEBUG=true)",

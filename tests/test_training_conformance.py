@@ -28,8 +28,11 @@ def test_custom_ddp_trains_every_pattern_to_its_truth_with_identical_ranks(name:
     pattern = PATTERNS[name]
     # Forked ranks first: after a compiled backward in this process, fork is refused by autograd.
     run = fit_pattern(pattern, "custom_ddp")
-    truth = fit_pattern(pattern, "custom_ddp", interrupt=False) if pattern.truth == "uninterrupted" \
+    truth = (
+        fit_pattern(pattern, "custom_ddp", interrupt=False)
+        if pattern.truth == "uninterrupted"
         else fit_pattern(pattern, pattern.truth)
+    )
     result = compare(run, truth)
     dtype = next(v.dtype for v in run[0]["state"].values() if v.is_floating_point())
     assert result["max_diff"] <= TOLERANCE[dtype], result

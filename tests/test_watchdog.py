@@ -16,21 +16,29 @@ import time
 import pytest
 import torch
 
-from strategies.custom_ddp import CustomDDPStrategy
-from parallel.shm_barrier import PEER_LOSS_TEXT
-from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from parallel.buckets import Bucket
+from parallel.shm_barrier import PEER_LOSS_TEXT
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from strategies.heartbeat import Progress, main_thread_state, stack_text
 from strategies.job_store import StoreUnanswered, connect_store, serve_store
-from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
+from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 
 STALL = 20.0
 
 
 def _record(rank: int, collective=None, busy=None) -> dict:
-    return {"rank": rank, "pid": 1, "host": "h", "seq": 1, "marks": 1, "where": {"stage": "train", "step": 3},
-            "collective": collective, "busy": busy}
+    return {
+        "rank": rank,
+        "pid": 1,
+        "host": "h",
+        "seq": 1,
+        "marks": 1,
+        "where": {"stage": "train", "step": 3},
+        "collective": collective,
+        "busy": busy,
+    }
 
 
 def _seen(beat_age: float, mark_age: float, now: float = 1000.0) -> Seen:
@@ -120,11 +128,21 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
     def note(rank: int):
         return lambda record, rank0_lost: notes.append((rank, rank0_lost)) or "newest checkpoint: none"
 
-    watches = [StallWatch(rank, 2, STALL, {"rank": rank, "pid": 10 + rank, "host": "other"}, lambda: "  File x",
-                          note(rank), exit=exits.append, clock=lambda: clock[0])
-               for rank in range(2)]
+    watches = [
+        StallWatch(
+            rank,
+            2,
+            STALL,
+            {"rank": rank, "pid": 10 + rank, "host": "other"},
+            lambda: "  File x",
+            note(rank),
+            exit=exits.append,
+            clock=lambda: clock[0],
+        )
+        for rank in range(2)
+    ]
     records = [_record(0, collective="all_gather(float32[17]) from SyncBN forward"), _record(1)]
-    for watch, store in zip(watches, stores):
+    for watch, store in zip(watches, stores, strict=True):
         watch(records, store)
     clock[0] = STALL + 1
     records[0] = {**records[0], "seq": 2}
@@ -141,17 +159,29 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
 def test_a_store_silent_for_stall_timeout_ends_the_rank_counted_from_the_unanswered_call(capfd) -> None:
     """The first StoreUnanswered comes STORE_OP_S after the call was sent: the silence counts from the send."""
     exits: list[int] = []
-    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "",
-                       lambda record, rank0_lost: "no checkpoint",
-                       exit=exits.append)
+    watch = StallWatch(
+        1,
+        2,
+        STALL,
+        {"rank": 1, "pid": 11, "host": "h"},
+        lambda: "",
+        lambda record, rank0_lost: "no checkpoint",
+        exit=exits.append,
+    )
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL + 5.0))
     assert exits == []
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))  # still the same silence
     assert exits == []  # the silence began at the first error's send time: 5 s short of stall_timeout
     time.sleep(0.01)
-    watch = StallWatch(1, 2, STALL, {"rank": 1, "pid": 11, "host": "h"}, lambda: "",
-                       lambda record, rank0_lost: "no checkpoint",
-                       exit=exits.append)
+    watch = StallWatch(
+        1,
+        2,
+        STALL,
+        {"rank": 1, "pid": 11, "host": "h"},
+        lambda: "",
+        lambda record, rank0_lost: "no checkpoint",
+        exit=exits.append,
+    )
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))
     assert exits == [STALL_EXIT_STATUS]
     assert "the job's store has not answered for 20 s (StoreUnanswered)" in capfd.readouterr().err
@@ -168,8 +198,9 @@ def test_survivors_name_the_rank_that_raised_and_one_killed_without_a_word(store
     gone.wait()
     heartbeat = {**_record(1), "pid": gone.pid, "host": "h"}
     started = time.monotonic()
-    lines, lost = peer_causes(connect_store("127.0.0.1", store_host.port, "other/"), 0, [None, heartbeat], "h",
-                              wait_s=5.0)
+    lines, lost = peer_causes(
+        connect_store("127.0.0.1", store_host.port, "other/"), 0, [None, heartbeat], "h", wait_s=5.0
+    )
     assert len(lines) == 1 and "rank 1" in lines[0] and "without a word" in lines[0] and lost == {1}
     # No wait for a record a dead process cannot write: Lightning's popen launcher SIGKILLs every rank
     # within 5 s of a child's failure, and rank 0 still has its last checkpoint to write.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -63,13 +63,15 @@ def test_the_writer_reads_every_ranks_generators_kept_at_the_windows_start(store
     assert ranks[1].flush()
     states, why = ranks[0].every_rank()
     assert states is not None and why == ""
-    for state, draws in zip(states, expected):
+    for state, draws in zip(states, expected, strict=True):
         set_rng_state(state)
         assert _same_draws(_draws(), draws)
     ranks[1].keep(5)  # a later point with as many batches (after validation) on rank 1 only: never mixed
     assert ranks[1].flush()
-    assert ranks[0].every_rank() == (None, "rank 1's newest are from point 2 (after 5 training batches), the "
-                                           "window's from point 1 (after 5)")
+    assert ranks[0].every_rank() == (
+        None,
+        "rank 1's newest are from point 2 (after 5 training batches), the window's from point 1 (after 5)",
+    )
     assert WindowGenerators(stores[2], 0, 2).every_rank() == (None, "rank 0 kept none")
     for generators in ranks:
         generators.stop()
@@ -88,8 +90,13 @@ def test_the_last_checkpoint_holds_them_only_when_it_is_the_one_written(stores: 
     for _ in range(3):  # 3 training batches done
         progress.increment_ready(), progress.increment_started(), progress.increment_processed()
         progress.increment_completed()
-    trainer = SimpleNamespace(is_global_zero=True, global_rank=0, global_step=3, current_epoch=0,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        global_rank=0,
+        global_step=3,
+        current_epoch=0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
     ranks = [WindowGenerators(store, rank, 2) for rank, store in enumerate(stores[:2])]
     for generators in ranks:
         generators.keep(3)
@@ -121,10 +128,10 @@ def test_rank_1_reads_every_rank_from_its_mirror_once_the_job_store_is_gone() ->
     del server  # rank 0's process, and the job's store with it, is gone
     states, why = ranks[1].every_rank()
     assert states is not None and why == ""
-    for state, draws in zip(states, expected):
+    for state, draws in zip(states, expected, strict=True):
         set_rng_state(state)
         assert _same_draws(_draws(), draws)
-    for generators, client in zip(ranks, clients):
+    for generators, client in zip(ranks, clients, strict=True):
         generators.close()
         client.close()
     states, why = ranks[2].every_rank()  # rank 2 would read the job's store: gone

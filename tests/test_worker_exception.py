@@ -46,17 +46,26 @@ class _ExtraBackwardOnRank1(BoringModel):
         self.optimizers().zero_grad()
 
 
-def _fit_in_forked_workers(module: pl.LightningModule, root: Path, strategy: CustomDDPStrategy | None = None,
-                           **options: Any) -> tuple[BaseException, str, float]:
+def _fit_in_forked_workers(
+    module: pl.LightningModule, root: Path, strategy: CustomDDPStrategy | None = None, **options: Any
+) -> tuple[BaseException, str, float]:
     """Fit on 2 fork workers; (the error, what the workers logged, seconds). Forked workers inherit
     the file handler, so their log lines land in one file."""
     handler = logging.FileHandler(root / "workers.log")
     logger = logging.getLogger("strategies")
     logger.addHandler(handler)
     strategy = strategy or CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20), **options)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2)],
+    )
     started = time.monotonic()
     try:
         with pytest.raises(Exception) as caught:
@@ -102,5 +111,7 @@ def test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seco
 def test_the_desync_check_takes_the_buckets_through_the_process_group() -> None:
     assert CustomDDPOptions(desync_check=True).grad_sync.grad_transport == "process_group"
     assert CustomDDPOptions().grad_sync.grad_transport == "auto"
-    with pytest.raises(ValueError, match="desync_check=True .* grad_transport='shared_memory'.* use grad_transport='auto'"):
+    with pytest.raises(
+        ValueError, match="desync_check=True .* grad_transport='shared_memory'.* use grad_transport='auto'"
+    ):
         CustomDDPOptions(desync_check=True, grad_transport="shared_memory")

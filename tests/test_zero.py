@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_sync import SyncedDataParallel
 from benchmarks.launcher import run_workers
 from parallel import zero
+from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
 
 _WORLD_SIZE = 2
@@ -108,13 +108,11 @@ def test_sharded_matches_unsharded_and_checkpoints_round_trip(tmp_path, monkeypa
     # ~8 KiB chunks: every shard travels in several broadcasts (inherited by the forked ranks).
     monkeypatch.setattr(zero, "_SHARE_CHUNK_MB", 0.005)
     checkpoint_path = str(tmp_path / "optimizer.pt")
-    results = run_workers(
-        _sharded_worker, _WORLD_SIZE, args=(name, checkpoint_path), init_file=tmp_path / "store"
-    )
+    results = run_workers(_sharded_worker, _WORLD_SIZE, args=(name, checkpoint_path), init_file=tmp_path / "store")
     ref_params, ref_checkpoint, full_state_numel = _reference(name)
     for result in results:
         for key in ("params", "resumed_params"):
-            for param, ref in zip(result[key], ref_params):
+            for param, ref in zip(result[key], ref_params, strict=True):
                 torch.testing.assert_close(param, ref, atol=1e-6, rtol=0.0)
     # Each rank holds half of the optimizer state, and together all of it.
     per_rank = [result["state_numel"] for result in results]
@@ -136,7 +134,7 @@ def test_without_process_group_it_is_the_plain_optimizer():
     reference = _make_optimizer(ref_net, torch.optim.AdamW, {"lr": 0.01}, sharded=False)
     _train(net, net, optimizer, range(2), None)
     _train(ref_net, ref_net, reference, range(2), None)
-    for p, q in zip(net.parameters(), ref_net.parameters()):
+    for p, q in zip(net.parameters(), ref_net.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=0.0, rtol=0.0)
     optimizer.consolidate_state_dict()
     assert optimizer.state_dict()["param_groups"] == reference.state_dict()["param_groups"]
@@ -165,5 +163,5 @@ def test_from_optimizer_keeps_groups_hyperparameters_and_state(optimizer_cls):
     sharded = ShardedOptimizer.from_optimizer(original)  # AdamW: defaults its __init__ rejects
     _train(net, net, sharded, range(2, 4), None)
     _train(ref_net, ref_net, reference, range(2, 4), None)
-    for p, q in zip(net.parameters(), ref_net.parameters()):
+    for p, q in zip(net.parameters(), ref_net.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=0.0, rtol=0.0)
