@@ -36,8 +36,7 @@ from lit_cifar.nets import TemplateNet
 from parallel.grad_sync import SyncedDataParallel
 from parallel.rng_state import encode_rng_state, rng_state
 from parallel.syncbn import SyncBatchNorm
-from strategies.job_store import connect_store
-from strategies.window_generators import WindowGenerators
+from strategies.fault_tolerance import WindowGenerators, connect_store
 
 MODES = ("off", "store", "store + mirror")
 BATCH = 128

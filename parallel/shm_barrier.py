@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 POLL_S = 0.1  # seconds a rank sleeps before it looks at its peers again
-PEER_LOSS_TEXT = "peer lost at a shared-memory barrier"  # strategies.exit_causes matches it
+PEER_LOSS_TEXT = "peer lost at a shared-memory barrier"  # strategies.fault_tolerance.exit_causes matches it
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch.distributed's default for gloo
 _SYS_FUTEX = 202  # x86-64 syscall number
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the words are mapped by several processes

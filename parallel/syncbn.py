@@ -10,7 +10,7 @@ Example:
     >>> net = SyncBatchNorm.convert(torchvision.models.resnet18())  # doctest: +SKIP
     >>> net = SyncBatchNorm.revert(net)  # the same BatchNorm2d objects again  # doctest: +SKIP
 
-Pure torch; no Lightning import (the Lightning adapter is :mod:`strategies.layer_sync`).
+Pure torch; no Lightning import (the Lightning adapter is :mod:`strategies.training.layer_sync`).
 """
 
 from __future__ import annotations

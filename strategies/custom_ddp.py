@@ -1,16 +1,15 @@
 """``custom_ddp``: Lightning's DDP with hand-written SyncBatchNorm, gradient sync and evaluation.
 
 Wiring only: ``DDPStrategy`` keeps launching, cluster environments, the process group, ``barrier``/
-``broadcast``/``reduce`` and checkpoint I/O; each replaced part lives in its own module: SyncBatchNorm
-while fitting (:mod:`strategies.layer_sync`); :class:`parallel.grad_sync.SyncedDataParallel` instead of
-torch DDP (no collective on accumulating micro-batches, averaged gradients when backward returns,
-rank 0's buffers before each training forward; ZeRO-1 in :mod:`strategies.zero1`); each evaluation
-sample once with exact metrics (:mod:`strategies.scatter_eval`, :mod:`strategies.uneven_gathers`);
-a fit resumed mid-epoch trains only the batches not yet trained, with the interrupted fit's random
-generators (:mod:`strategies.exact_resume`, :mod:`strategies.resume_rng`);
-signals stop every rank at one step (:mod:`strategies.preemption`); a stalled or failed rank ends
-the job with a diagnosis (:mod:`strategies.watchdog`). Options: :class:`strategies.options.CustomDDPOptions`.
-Private Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: the README.
+``broadcast``/``reduce`` and checkpoint I/O; each replaced part lives in a room of its own:
+SyncBatchNorm while fitting, :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP (no
+collective on accumulating micro-batches, averaged gradients when backward returns, rank 0's buffers
+before each training forward) and ZeRO-1 (:mod:`strategies.training`); each evaluation sample once with
+exact metrics (:mod:`strategies.evaluation`); a fit resumed mid-epoch trains only the batches not yet
+trained, with the interrupted fit's random generators (:mod:`strategies.resume`); signals stop every
+rank at one step (:mod:`strategies.stopping`); a stalled or failed rank ends the job with a diagnosis
+(:mod:`strategies.fault_tolerance`). Options: :class:`strategies.options.CustomDDPOptions`. Private
+Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: the README and docs/.
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy="custom_ddp", accumulate_grad_batches=4)
     trainer = Trainer(strategy=CustomDDPStrategy(sync_mode="flat", zero1=True, start_method="fork"))
@@ -35,19 +34,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTransport, SyncMode
-from strategies.desync import enable_desync_check, log_desync
-from strategies.elastic_store import init_attempt_process_group, uses_shared_agent_store
-from strategies.exact_resume import ExactResume
+from strategies.evaluation import ScatterEvaluation, UnevenGathers
+from strategies.fault_tolerance import (
+    Watchdog,
+    enable_desync_check,
+    init_attempt_process_group,
+    log_desync,
+    uses_shared_agent_store,
+)
 from strategies.launchers import one_stage_launcher
-from strategies.layer_sync import BatchNormSyncChoice
 from strategies.lightning_seams import check_private_seams
 from strategies.options import DEFAULT_STALL_TIMEOUT_S, CustomDDPOptions, as_timedelta
-from strategies.preemption import Preemption
-from strategies.scatter_eval import ScatterEvaluation
-from strategies.synced_training import SyncedTraining
-from strategies.uneven_gathers import UnevenGathers
-from strategies.watchdog import Watchdog
-from strategies.zero1 import shard_optimizers
+from strategies.resume import ExactResume
+from strategies.stopping import Preemption
+from strategies.training import BatchNormSyncChoice, SyncedTraining, shard_optimizers
 
 __all__ = ["CustomDDPStrategy"]
 
@@ -157,7 +157,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
 
     @override
     def setup_distributed(self) -> None:
-        if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: see strategies.elastic_store
+        if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: one process group per attempt
             self.set_world_ranks()
             init_attempt_process_group(
                 self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
@@ -207,7 +207,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         """A fork/spawn/forkserver worker's exception path (called by its launcher before the error
         travels to the launching process): what Lightning's interrupt path runs in a popen rank, for
         this strategy's parts only: the exit record, a lost peer's diagnosis and last checkpoint
-        (:mod:`strategies.watchdog`), the desync report. Users' callbacks keep Lightning's order (their
+        (:mod:`strategies.fault_tolerance.watchdog`), the desync report. Users' callbacks keep Lightning's order (their
         ``on_exception`` runs in the launching process, as under ``ddp``)."""
         if self._watchdog in trainer.callbacks:
             self._watchdog.on_exception(trainer, trainer.lightning_module, exception)
@@ -215,7 +215,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
 
     @override
     def on_train_start(self) -> None:
-        super().on_train_start()  # a resumed fit's generators are restored here (strategies.exact_resume)
+        super().on_train_start()  # a resumed fit's generators are restored here (strategies.resume.exact_resume)
         self._watchdog.training_starts(self.lightning_module.trainer, self.generators_at_train_start())
 
     @override

@@ -37,8 +37,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.multiprocessing import ProcessExitedException
 
-from strategies.signal_forwarding import SignalForwarding, restore_in_worker
-from strategies.stop_signals import StopOnSignal
+from strategies.stopping import SignalForwarding, StopOnSignal, restore_in_worker
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -78,7 +77,7 @@ class _ObserverSparingRank0(_ChildProcessObserver):
 
     When a child fails, Lightning's observer (it polls every 5 s) SIGKILLs the other children and rank 0
     at once. Rank 0 may then be writing the checkpoint of the last completed step from its exception
-    path (:mod:`strategies.last_checkpoint`, ~0.3 s): a poll inside that window killed it first and the
+    path (:mod:`strategies.fault_tolerance.last_checkpoint`, ~0.3 s): a poll inside that window killed it first and the
     checkpoint was lost (fault matrix row "SIGKILL of rank 1", 1 run of 2 after a timing change). The
     other children still go at once; rank 0, whose collective fails as soon as the peer is gone, ends
     by itself within seconds, and is killed only after ``RANK0_GRACE_S``.

@@ -1,7 +1,7 @@
 """A user's ``DataLoader`` rebuilt around another sampler, every other setting kept.
 
-Shared by scatter evaluation (:mod:`strategies.scatter_eval`: a rank's shard of the evaluation set)
-and exact mid-epoch resume (:mod:`strategies.exact_resume`: the rest of the interrupted epoch). Only
+Shared by scatter evaluation (:mod:`strategies.evaluation.scatter_eval`: a rank's shard of the evaluation set)
+and exact mid-epoch resume (:mod:`strategies.resume.exact_resume`: the rest of the interrupted epoch). Only
 a torch ``DataLoader`` over a map-style dataset, batched by torch's own ``BatchSampler``, can be
 rebuilt by index: its batches are re-made from the new sampler exactly as the user's loader made
 them, with the user's batch size, ``collate_fn``, workers, pinning and transforms.

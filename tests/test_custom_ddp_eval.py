@@ -24,7 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from parallel.eval_sharding import ShardPlan
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.scatter_eval import _warn_fallback
+from strategies.evaluation.scatter_eval import _warn_fallback
 
 pytestmark = pytest.mark.distributed
 NUM_SAMPLES = 11

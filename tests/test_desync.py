@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from benchmarks.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.desync import _torch_view, enable_desync_check, is_desync_error, own_side, report_desync
+from strategies.fault_tolerance.desync import _torch_view, enable_desync_check, is_desync_error, own_side, report_desync
 
 
 def _user_collective() -> None:

@@ -32,7 +32,7 @@ from conformance.patterns import (
 )
 from measure.collective_count import count_collectives
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.scatter_eval import shard_loader
+from strategies.evaluation.scatter_eval import shard_loader
 
 pytestmark = pytest.mark.distributed
 # Defined by something other than the data: a local metric, torchmetrics' mean-of-ranks sync,

@@ -1,4 +1,4 @@
-"""Exact mid-epoch resume (strategies.exact_resume): the resumed epoch trains exactly the batches the
+"""Exact mid-epoch resume (strategies.resume.exact_resume): the resumed epoch trains exactly the batches the
 interrupted one had not, so a resumed fit ends with an uninterrupted fit's weights, bitwise.
 
 The truth is the uninterrupted fit with the same strategy; Lightning's ``ddp`` (which starts the

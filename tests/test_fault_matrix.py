@@ -21,7 +21,7 @@ import pytest
 from conformance import fault_matrix_report
 from conformance.fault_matrix import DEFAULT_OUT, ROWS, ROWS_BY_NAME, Result, Row, run_row
 from conformance.fault_rows import STALL_S
-from strategies.stall_watch import STALL_EXIT_STATUS
+from strategies.fault_tolerance.stall_watch import STALL_EXIT_STATUS
 
 WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault; issue 23: a stall within 30 s of its start
 STALL_SIGNS = {
@@ -38,7 +38,7 @@ def _check_stall(row: Row, result: Result) -> None:
         return
     if row.rank == 0:
         # The store's host under Lightning's launcher: rank 1's store calls go unanswered (bounded by
-        # strategies.job_store; they blocked for good before), it kills the stopped rank 0 and ends.
+        # strategies.fault_tolerance.job_store; they blocked for good before), it kills the stopped rank 0 and ends.
         assert result.status[0] == 128 + 9, result  # SIGKILL: what a scheduler sees of the popen job
         assert result.message.startswith("custom_ddp stall: rank 1: the job's store has not answered"), result
         assert "rank 0 process state: T, killed" in result.message, result.message
@@ -73,7 +73,7 @@ def _check_restart(row: Row, result: Result, resumed: bool) -> None:
 
 def _store_lost_with_rank0(row: Row) -> bool:
     """Rank 0, the job store's host under Lightning's launcher, is the rank lost: rank 1 writes the last
-    checkpoint with every rank's generators from the mirror it hosts (strategies.window_generators)."""
+    checkpoint with every rank's generators from the mirror it hosts (strategies.fault_tolerance.window_generators)."""
     return row.rank == 0 and row.fault in ("SIGKILL", "SIGSTOP") and row.max_restarts is None
 
 
@@ -148,8 +148,8 @@ def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
 def test_a_failure_inside_a_step_leaves_a_checkpoint_that_resumes_bitwise(tmp_path: Path, name: str) -> None:
     """Rank 1 raises after its forward; rank 0, waiting in backward with its BatchNorm statistics moved by
     the batch, writes the last completed step with the buffers of the step's first batch
-    (strategies.last_checkpoint) and every rank's random generators at that batch, rank 1's from the
-    job's store (strategies.window_generators); the resume trains the rest of the epoch once
+    (strategies.fault_tolerance.last_checkpoint) and every rank's random generators at that batch, rank 1's from the
+    job's store (strategies.fault_tolerance.window_generators); the resume trains the rest of the epoch once
     (exact_resume), draws the same dropout masks and ends with the uninterrupted weights. With
     accumulate_grad_batches=2 the fault comes in a window's second micro-batch: the checkpoint goes back
     to the window's first, whose gradient only the ranks held. In an epoch's first batch the generators

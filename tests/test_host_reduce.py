@@ -20,7 +20,7 @@ from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import GradSyncConfig
-from strategies.exit_causes import is_peer_loss
+from strategies.fault_tolerance.exit_causes import is_peer_loss
 
 pytestmark = pytest.mark.distributed
 

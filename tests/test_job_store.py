@@ -1,4 +1,4 @@
-"""The watchdog's store client: every operation answered or failed within its deadline (strategies.job_store)."""
+"""The watchdog's store client (strategies.fault_tolerance.job_store): every operation answered or failed in time."""
 
 from __future__ import annotations
 
@@ -17,8 +17,15 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from strategies.desync import _exchange
-from strategies.job_store import CONNECT_S, BoundedStore, StoreUnanswered, connect_store, host_store, serve_store
+from strategies.fault_tolerance.desync import _exchange
+from strategies.fault_tolerance.job_store import (
+    CONNECT_S,
+    BoundedStore,
+    StoreUnanswered,
+    connect_store,
+    host_store,
+    serve_store,
+)
 
 DEADLINE_S = 0.3
 # What the deadline may overrun by: scheduling on a loaded 2-core VM (0.2 s was overrun once in a full
@@ -159,10 +166,12 @@ def test_a_connection_that_fails_raises_its_own_error() -> None:
 def test_the_desync_exchange_gives_up_on_a_stopped_store_host(store_host, monkeypatch) -> None:
     """The desync report's line exchange is bounded too: rank 0 prints its own side instead of hanging."""
     port, host = store_host
-    monkeypatch.setattr("strategies.desync._STORE_WAIT_S", DEADLINE_S)
+    monkeypatch.setattr("strategies.fault_tolerance.desync._STORE_WAIT_S", DEADLINE_S)
     assert _exchange("rank 1: x", 1, 2, "127.0.0.1", port) == ["rank 1: x"]
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) == ["rank 0: y", "rank 1: x"]
-    monkeypatch.setattr("strategies.desync._CONNECT_WAIT_S", DEADLINE_S)  # healthy connections kept CONNECT_S
+    monkeypatch.setattr(
+        "strategies.fault_tolerance.desync._CONNECT_WAIT_S", DEADLINE_S
+    )  # healthy connections kept CONNECT_S
     os.kill(host.pid, signal.SIGSTOP)
     started = time.monotonic()
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) is None
@@ -197,7 +206,7 @@ def held_back(port: int, hold_s: float) -> Iterator[int]:
 
 
 def test_a_connection_gets_longer_than_a_name_lookup_then_each_operation_its_own_deadline() -> None:
-    """A healthy host can take a resolver's timeout to accept (strategies.job_store.CONNECT_S); with the
+    """A healthy host can take a resolver's timeout to accept (strategies.fault_tolerance.job_store.CONNECT_S); with the
     operation deadline as its connect deadline the client gave up on it, and the watchdog ran without a stall
     watch. Here the store sees the connection 1 s late: it connects; a stalled operation still fails in time."""
     server = serve_store("127.0.0.1")
@@ -222,9 +231,10 @@ def test_a_connection_gets_longer_than_a_name_lookup_then_each_operation_its_own
 
 def test_a_hosted_store_rides_out_a_slow_connection_to_itself() -> None:
     """The server's own client connection waits on a reverse name lookup on both ends (module docstring of
-    strategies.job_store); this sandbox's resolver drops one query in 25-50, and with the operation timeout
-    (5 s; 2 s here) as its deadline rank 1 then hosted no mirror. 60 servers in a row all start now; before,
-    one in 51 failed. (Where the resolver answers every query this passes either way: see the test above.)"""
+    strategies.fault_tolerance.job_store); this sandbox's resolver drops one query in 25-50, and with the
+    operation timeout (5 s; 2 s here) as its deadline rank 1 then hosted no mirror. 60 servers in a row all start
+    now; before, one in 51 failed. (Where the resolver answers every query this passes either way: see the test
+    above.)"""
     open_stores: list[BoundedStore] = []
     for _ in range(60):
         store, address = host_store(("127.0.0.1", 1), "test/", op_timeout_s=2.0)

@@ -1,5 +1,5 @@
-"""The watchdog's last checkpoint (:mod:`strategies.last_checkpoint`): written only from a state every rank
-shares, holding the state of the last optimizer step, and ``--ckpt_path=last`` finding the newest one; in one
+"""The watchdog's last checkpoint (:mod:`strategies.fault_tolerance.last_checkpoint`): written only from a state
+every rank shares, holding the state of the last optimizer step, and ``--ckpt_path=last`` finding the newest one; in one
 process. The faults that write it run in ``tests/test_fault_matrix.py``."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lit_cifar.run_dir import resume_last_version
-from strategies.last_checkpoint import LastCheckpoint
+from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
 
 
 def test_ckpt_path_last_pins_the_version_with_the_newest_last_checkpoint(tmp_path: Path) -> None:

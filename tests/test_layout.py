@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
@@ -106,3 +107,45 @@ def test_callbacks_load_lazily_by_their_public_names():
         print(before, BenchmarkMonitor.__module__, CollectiveCounter.__module__)
     """)
     assert out.split() == ["False", "callbacks.benchmark", "callbacks.collective_counter"]
+
+
+_ROOMS = ("training", "evaluation", "resume", "stopping", "fault_tolerance")
+
+
+def _imported_modules(path: Path) -> list[str]:
+    """Every module ``path`` imports by name (``import a.b``, ``from a.b import c``: ``a.b`` and ``a.b.c``)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def test_strategy_rooms_are_entered_through_their_init():
+    """No module outside ``strategies/<room>/`` imports one of that room's modules: only the room's own names."""
+    reached_into = []
+    for path in sorted(_ROOT.rglob("*.py")):
+        relative = path.relative_to(_ROOT)
+        if relative.parts[0] in ("tests", ".venv", "build"):
+            continue  # unit tests test a room's modules themselves
+        for room in _ROOMS:
+            if relative.parts[:2] == ("strategies", room):
+                continue
+            prefix = f"strategies.{room}."
+            reached_into += [
+                f"{relative}: {name}"
+                for name in _imported_modules(path)
+                if name.startswith(prefix)
+                and name.split(".")[2] in {p.stem for p in (_ROOT / "strategies" / room).glob("*.py")}
+            ]
+    assert not reached_into, reached_into
+
+
+def test_each_strategy_room_says_what_it_owns_and_may_import():
+    for room in _ROOMS:
+        doc = ast.get_docstring(ast.parse((_ROOT / "strategies" / room / "__init__.py").read_text()))
+        assert doc and "May import:" in doc, room
+        modules = {p.stem for p in (_ROOT / "strategies" / room).glob("*.py")} - {"__init__"}
+        assert all(f"``{module}``" in doc for module in modules), (room, modules)

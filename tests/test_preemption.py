@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.preemption import Preemption, stop_checkpoint_path
-from strategies.stop_signals import SignalRecorder, StopOnSignal, exit_status
+from strategies.stopping.preemption import Preemption, stop_checkpoint_path
+from strategies.stopping.stop_signals import SignalRecorder, StopOnSignal, exit_status
 
 WORLD_SIZE = 2
 STEPS_PER_EPOCH = 4  # 32 samples / 2 ranks / batch 4
@@ -163,7 +163,7 @@ def test_a_signal_too_late_to_stop_together_is_reported_as_what_happened(caplog,
         preemption.on_train_start(trainer, None)
         signal.raise_signal(signal.SIGTERM)  # never agreed at a step
     finally:
-        with caplog.at_level("WARNING", logger="strategies.preemption"):
+        with caplog.at_level("WARNING", logger="strategies.stopping.preemption"):
             preemption.detach()
     assert f"SIGTERM on rank 0 arrived after the last point where the ranks could stop together; {says}" in caplog.text
 

@@ -1,5 +1,5 @@
 """Units of exact mid-epoch resume, without a fit: the sampler that leaves out what the interrupted epoch
-trained (parallel.resume_sampler) and the reading of Lightning's restored loop (strategies.resume_progress).
+trained (parallel.resume_sampler) and the reading of Lightning's restored loop (strategies.resume.resume_progress).
 The fits that use them are in test_exact_resume.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from lightning.pytorch.loops.progress import _BatchProgress
 from torch.utils.data import DistributedSampler, SequentialSampler
 
 from parallel.resume_sampler import ResumeSampler
-from strategies.resume_progress import LoaderResume, batches_done
+from strategies.resume.resume_progress import LoaderResume, batches_done
 
 
 def test_resume_sampler_leaves_out_the_first_indices_of_its_first_pass_only() -> None:

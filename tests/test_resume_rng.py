@@ -1,4 +1,4 @@
-"""A resumed fit draws the interrupted fit's random numbers (strategies.resume_rng, parallel.rng_state).
+"""A resumed fit draws the interrupted fit's random numbers (strategies.resume.resume_rng, parallel.rng_state).
 
 The module draws from every default generator in its training step (dropout and ``torch.randn``,
 ``np.random``, ``random``), each rank from its own streams, and its dataset adds noise when a sample
@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from parallel.rng_state import rng_state, set_rng_state
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
-from strategies.watchdog import Watchdog
+from strategies.fault_tolerance.watchdog import Watchdog
+from strategies.resume.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
 
@@ -282,7 +282,7 @@ def test_the_generators_kept_at_training_start_are_those_a_checkpoint_there_must
     tmp_path: Path, uninterrupted: Any, monkeypatch: pytest.MonkeyPatch, checkpoint: str | None
 ) -> None:
     """What the watchdog's last checkpoint holds when a rank is lost in a fit's first window
-    (strategies.window_generators): resumed, the checkpoint's own generators (at an epoch's start those
+    (strategies.fault_tolerance.window_generators): resumed, the checkpoint's own generators (at an epoch's start those
     before its iterator drew, which a resume draws again); fresh, those before the first training
     iterator drew its base seed."""
     kept = tmp_path / "kept"

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.stop_signals import StopOnSignal
+from strategies.stopping.stop_signals import StopOnSignal
 
 pytestmark = pytest.mark.distributed
 

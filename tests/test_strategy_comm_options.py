@@ -24,7 +24,7 @@ from measure.collective_count import count_collectives
 from measure.run_info import strategy_options
 from parallel.grad_sync import SyncedDataParallel
 from strategies import CustomDDPStrategy
-from strategies.layer_sync import CustomSyncBatchNorm
+from strategies.training.layer_sync import CustomSyncBatchNorm
 
 _UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
 from parallel.syncbn import SyncBatchNorm
-from strategies.layer_sync import CustomSyncBatchNorm
+from strategies.training.layer_sync import CustomSyncBatchNorm
 
 
 def _pair(torch_class, num_features, **kwargs):
@@ -116,7 +116,8 @@ def test_empty_batch_returns_empty_and_keeps_running_stats():
 
 def test_a_forward_whose_collective_fails_leaves_the_layer_as_it_was(monkeypatch):
     """A peer lost during the statistics' all_gather: no batch counted, so a checkpoint written then
-    (strategies.last_checkpoint) resumes exactly. torch's BatchNorm counts the call before it computes."""
+    (strategies.fault_tolerance.last_checkpoint) resumes exactly. torch's BatchNorm counts the call before it
+    computes."""
     import parallel.syncbn
 
     def lost_peer(*args, **kwargs):

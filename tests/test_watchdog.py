@@ -19,11 +19,11 @@ import torch
 from parallel.buckets import Bucket
 from parallel.shm_barrier import PEER_LOSS_TEXT
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
-from strategies.heartbeat import Progress, main_thread_state, stack_text
-from strategies.job_store import StoreUnanswered, connect_store, serve_store
+from strategies.fault_tolerance.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
+from strategies.fault_tolerance.heartbeat import Progress, main_thread_state, stack_text
+from strategies.fault_tolerance.job_store import StoreUnanswered, connect_store, serve_store
+from strategies.fault_tolerance.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
-from strategies.stall_watch import BUSY_FACTOR, STALL_EXIT_STATUS, Seen, StallWatch, judge
 
 STALL = 20.0
 

@@ -1,4 +1,5 @@
-"""Every rank's generators at its window's start, through the job's store (strategies.window_generators).
+"""Every rank's generators at its window's start, through the job's store (window_generators of
+strategies.fault_tolerance).
 
 Unit tests on a real TCP store in one process; the 2-rank fits that lose a rank and resume bitwise from
 the last checkpoint are ``tests/test_fault_matrix.py``'s ``test_a_failure_inside_a_step_...``.
@@ -18,10 +19,10 @@ from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 
 from parallel.rng_state import decode_rng_state, encode_rng_state, rng_state, set_rng_state
-from strategies.job_store import BoundedStore, connect_store, serve_store
-from strategies.last_checkpoint import LastCheckpoint
-from strategies.resume_rng import CHECKPOINT_KEY
-from strategies.window_generators import WindowGenerators
+from strategies.fault_tolerance.job_store import BoundedStore, connect_store, serve_store
+from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
+from strategies.fault_tolerance.window_generators import WindowGenerators
+from strategies.resume.resume_rng import CHECKPOINT_KEY
 
 
 def _draws() -> tuple:

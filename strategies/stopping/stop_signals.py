@@ -3,7 +3,7 @@
 :class:`SignalRecorder` installs handlers for the stop signals that do nothing but note the first
 signal in this process (and call one short, non-communicating callback). Everything that needs
 other ranks (agreeing on the stop, the checkpoint) happens later, in the main flow of the run, at a
-point every rank reaches in the same collective order: see :mod:`strategies.preemption`.
+point every rank reaches in the same collective order: see :mod:`preemption`.
 
 Exit status: a stopped run exits with ``128 + signum`` (SIGTERM 143, SIGINT 130, SIGUSR1 138), the
 status a shell reports for a process that signal killed. Schedulers and wrappers read it as
@@ -74,7 +74,7 @@ class SignalRecorder:
     that cannot reach its coordinated stop (Lightning then ends it without a checkpoint). Only one
     that comes ``repeat_after_s`` or more after the first counts: one Ctrl+C can arrive twice within
     milliseconds (from the terminal to the whole process group, and passed on by the launching
-    process of fork/spawn workers, :mod:`strategies.signal_forwarding`).
+    process of fork/spawn workers, :mod:`signal_forwarding`).
     DataLoader worker processes forked while the handler is installed inherit it; there it ignores
     the signal, so workers keep serving batches until their main process stops them.
     """

@@ -1,6 +1,6 @@
 """Stall detection from the ranks' heartbeats: which rank stalled, one report, every rank ends in seconds.
 
-Every rank's heartbeat thread (:mod:`strategies.heartbeat`) hands :class:`StallWatch` every rank's
+Every rank's heartbeat thread (:mod:`heartbeat`) hands :class:`StallWatch` every rank's
 record once a second; each rank judges all ranks the same way (:func:`judge`), by its own clock:
 
 - **no heartbeat**: a rank's beat counter has not moved for ``stall_timeout``: its whole process
@@ -9,7 +9,7 @@ record once a second; each rank judges all ranks the same way (:func:`judge`), b
   step, stage boundary) for ``stall_timeout`` while NOT waiting in a collective: an endless loop, a
   deadlock, a DataLoader that blocks. Waiting in a collective is waiting for a peer, not a stall.
 - **busy**: a legitimately slow phase (checkpoint save, ``torch.compile``, a declared
-  :meth:`~strategies.heartbeat.Progress.busy` block) extends that rank's deadline to
+  :meth:`~heartbeat.Progress.busy` block) extends that rank's deadline to
   ``BUSY_FACTOR x stall_timeout``; its peers meanwhile wait in a collective and are never stalled.
 - **all in collectives**: every rank waits in a collective and none moved for ``stall_timeout``:
   the ranks issued different collectives (a desync) or the network hangs.
@@ -125,7 +125,7 @@ def _write(text: str) -> None:
 
 
 class StallWatch:
-    """The ``watch`` of a :class:`~strategies.heartbeat.Heartbeat`: judge, agree on a verdict, report, end.
+    """The ``watch`` of a :class:`~heartbeat.Heartbeat`: judge, agree on a verdict, report, end.
 
     ``main_stack()`` gives this rank's main-thread stack; ``checkpoint_note(own record or None,
     rank0_lost)`` writes the last checkpoint where it can (the reporter, before any stalled rank is
@@ -266,7 +266,7 @@ class StallWatch:
         """The store did not answer: after ``stall_timeout`` of that, end this rank with its own report."""
         now = self._clock()
         if self._store_failing_since is None:
-            # A StoreUnanswered error says when the unanswered operation was sent (strategies.job_store).
+            # A StoreUnanswered error says when the unanswered operation was sent (job_store).
             self._store_failing_since = getattr(error, "since", now)
         if now - self._store_failing_since < self.stall_timeout:
             return

@@ -25,9 +25,9 @@ loader starts the epoch over as under ``ddp``, with a warning at the first batch
 the way Lightning's docs ask (``state_dict``/``load_state_dict``, torchdata's ``StatefulDataLoader``):
 Lightning loads its position from the checkpoint, and it is left as it is but for its sampler's epoch,
 set at once to the one Lightning sets after making the iterator, whose workers draw indices at once.
-The bookkeeping of where the restored loop goes on is :mod:`strategies.resume_progress`.
+The bookkeeping of where the restored loop goes on is :mod:`resume_progress`.
 The resumed epoch also draws the same random numbers: every checkpoint saved while fitting holds every
-rank's generators, restored at ``on_train_start`` (:mod:`strategies.resume_rng`).
+rank's generators, restored at ``on_train_start`` (:mod:`resume_rng`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,14 @@ from typing_extensions import override
 from parallel.resume_sampler import ResumeSampler
 from parallel.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
 from strategies.loaders import index_batching, keeps_its_position, set_sampler_epoch, with_sampler
-from strategies.resume_progress import FALLBACK, LoaderResume, inside_a_batch, resumed_at, resumed_before_iterator
-from strategies.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
+from strategies.resume.resume_progress import (
+    FALLBACK,
+    LoaderResume,
+    inside_a_batch,
+    resumed_at,
+    resumed_before_iterator,
+)
+from strategies.resume.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
 __all__ = ["ExactResume"]
 
@@ -181,7 +187,7 @@ class ExactResume:
     def generators_at_train_start(self) -> RngState | None:
         """The generators a checkpoint of where training starts must hold (after :meth:`on_train_start`): the
         ones now, or at an epoch's start those before its iterator was made (resuming there makes that draw
-        again, :func:`~strategies.resume_rng.redraw_base_seeds`); ``None`` without ``exact_resume``."""
+        again, :func:`~resume_rng.redraw_base_seeds`); ``None`` without ``exact_resume``."""
         trainer = self._fitting_trainer()
         if trainer is None:
             return None

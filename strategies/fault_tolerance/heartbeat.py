@@ -3,8 +3,8 @@
 Every rank runs one daemon thread (:class:`Heartbeat`) that never touches the process group. Once a
 second it writes this rank's record into the job's own ``torch.distributed`` TCP store (the
 rendezvous store: hosted by rank 0 under Lightning's launchers, by the elastic agent under
-``torchrun``; every operation bounded in time, :mod:`strategies.job_store`) and hands every rank's
-record to a ``watch`` callback (:mod:`strategies.stall_watch`
+``torchrun``; every operation bounded in time, :mod:`job_store`) and hands every rank's
+record to a ``watch`` callback (:mod:`stall_watch`
 decides from them). The record holds:
 
 - ``seq``: the beat counter. It stops when the whole process stops (SIGSTOP, a frozen machine, a
@@ -38,8 +38,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from strategies.desync import _collective_call, _source
-from strategies.job_store import BoundedStore
+from strategies.fault_tolerance.desync import _collective_call, _source
+from strategies.fault_tolerance.job_store import BoundedStore
 
 __all__ = ["BEAT_S", "Heartbeat", "Progress", "main_thread_state", "stack_text"]
 
@@ -76,7 +76,7 @@ class Progress:
 
     @contextmanager
     def busy(self, label: str) -> Iterator[None]:
-        """Declare a legitimately slow phase of the main thread (see :mod:`strategies.stall_watch`)."""
+        """Declare a legitimately slow phase of the main thread (see :mod:`stall_watch`)."""
         previous, self.declared_busy = self.declared_busy, label
         self.marks += 1
         try:

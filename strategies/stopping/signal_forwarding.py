@@ -5,13 +5,13 @@ for its workers. A SIGINT or SIGTERM sent to it alone (Jupyter's "interrupt kern
 container runtime signalling PID 1) never reached the workers: Lightning caught the KeyboardInterrupt
 there and exited, the interpreter then waited for its non-daemon workers, and they trained on to
 the end of the fit. Under popen the process the user started is rank 0, whose handler stops every
-rank at one optimizer step (:mod:`strategies.preemption`).
+rank at one optimizer step (:mod:`preemption`).
 
 :class:`SignalForwarding` installs, in the launching process and while its workers run, handlers
 that pass each stop signal on to every live worker; the workers then stop together with a
 checkpoint and exit with ``128 + signum``, which :meth:`SignalForwarding.stopped_by` recognises.
 A forked worker inherits the handlers and puts back the ones they replaced as it starts
-(:func:`restore_in_worker`). Handlers a user installed stay (as in :mod:`strategies.preemption`).
+(:func:`restore_in_worker`). Handlers a user installed stay (as in :mod:`preemption`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from strategies.stop_signals import SignalRecorder, exit_status, signal_name, write_stderr
+from strategies.stopping.stop_signals import SignalRecorder, exit_status, signal_name, write_stderr
 
 __all__ = ["SignalForwarding", "restore_in_worker"]
 

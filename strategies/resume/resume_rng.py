@@ -1,6 +1,6 @@
 """A resumed fit draws the random numbers the interrupted one would have drawn (``exact_resume``).
 
-:mod:`strategies.exact_resume` makes a resumed fit train exactly the batches the interrupted one had
+:mod:`exact_resume` makes a resumed fit train exactly the batches the interrupted one had
 not; this module makes it draw the same random numbers for them (dropout masks, ``torch.randn``
 noise, ``np.random`` and ``random`` calls, random transforms run in the main process), so a fit
 resumed from a checkpoint ends bitwise as the uninterrupted one. ``ddp`` saves no generator: its
@@ -12,7 +12,7 @@ resumed fits draw from the restart's seed.
   one ``all_gather_object`` inside the save that every rank makes, under :data:`CHECKPOINT_KEY`.
   The watchdog's last checkpoint, written after a rank was lost, holds them as they were at the start
   of the accumulation window it goes back to, read from the job's store where every rank keeps them
-  (:mod:`strategies.window_generators`; none when a rank's are missing there).
+  (:mod:`strategies.fault_tolerance.window_generators`; none when a rank's are missing there).
 - **Restored** on every rank at ``on_train_start`` of a fit resumed on as many ranks: after
   everything Lightning restores, before the first batch. By then Lightning has made the resumed
   epoch's training iterator, which draws its workers' base seed (one int64, made by every
@@ -21,7 +21,7 @@ resumed fits draw from the restart's seed.
   end came before the next epoch's iterator, made after that epoch's ``on_train_epoch_start``: without
   workers, the draw is made again at the first fetch (:func:`redraw_base_seeds`, after the hook; for a
   loader ``exact_resume`` did not rebuild, at ``on_train_start``); with workers, a rebuilt loader's
-  iterator is made anew after the restore (:mod:`strategies.exact_resume`), from the restored
+  iterator is made anew after the restore (:mod:`exact_resume`), from the restored
   generators, so the workers' own draws repeat too (when the hook draws nothing).
 - **Not restored**: draws in persistent workers (their streams run on across epochs; their one iterator
   draws no base seed after the first epoch, and a resume none either), draws in ``DataLoader`` workers

@@ -6,7 +6,7 @@ state and, with SyncBatchNorm and ``broadcast_buffers``, buffers, so rank 1's ch
 rank 0 would have written. No other rank writes (the two never race for the file: rank 1 writes
 only once rank 0 can no longer).
 
-:class:`LastCheckpoint` belongs to :class:`strategies.watchdog.Watchdog`, which hands it the training
+:class:`LastCheckpoint` belongs to :class:`watchdog.Watchdog`, which hands it the training
 hooks it needs. It is written only from a state every rank shares: fitting, outside the optimizer
 update (between ``on_before_optimizer_step`` and the batch end the update may be half done), without
 ZeRO-1 (the optimizer state's shards on a lost rank cannot be consolidated). The fault usually comes
@@ -24,7 +24,7 @@ resume trains the whole window again and takes its step from every micro-batch.
 The copy is rank 0's only and small: a ResNet-18's 60 buffers (9.6 k numbers) take 0.14 ms per window
 (``torch.utils.benchmark`` median, AMD EPYC, 1 thread).
 With ``exact_resume`` it also holds every rank's random generators at the window's start, the lost
-rank's included, from the job's store (:mod:`strategies.window_generators`), so that the resume draws
+rank's included, from the job's store (:mod:`window_generators`), so that the resume draws
 the uninterrupted fit's dropout masks and noise; when a rank's are missing it holds none and says why.
 """
 
@@ -40,9 +40,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from strategies.preemption import stop_checkpoint_path
-from strategies.resume_rng import CHECKPOINT_KEY
-from strategies.window_generators import WindowGenerators
+from strategies.fault_tolerance.window_generators import WindowGenerators
+from strategies.resume import CHECKPOINT_KEY
+from strategies.stopping import stop_checkpoint_path
 
 __all__ = ["LastCheckpoint"]
 

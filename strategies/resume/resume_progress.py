@@ -1,5 +1,5 @@
 """Where a resumed fit goes on, read from Lightning's restored loop, and one training loader's first pass
-checked against it (:mod:`strategies.exact_resume`).
+checked against it (:mod:`exact_resume`).
 
 Lightning counts a batch saved at its end as done, begins a batch saved inside it again, and makes a
 resumed epoch's training iterator before it restores the checkpoint; these helpers say which, after
@@ -36,7 +36,7 @@ def batches_done(progress: Any) -> int:
 
 def inside_a_batch(progress: Any) -> bool:
     """The checkpoint was written inside a training batch, before it was processed (the watchdog's last one,
-    :mod:`strategies.last_checkpoint`): the restored loop begins that batch again."""
+    :mod:`strategies.fault_tolerance.last_checkpoint`): the restored loop begins that batch again."""
     return progress.total.ready == progress.total.started == progress.total.processed + 1
 
 

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from measure.run_info import display_path
-from strategies.exit_causes import chained_text
-from strategies.job_store import CONNECT_S, connect_store
+from strategies.fault_tolerance.exit_causes import chained_text
+from strategies.fault_tolerance.job_store import CONNECT_S, connect_store
 
 __all__ = ["enable_desync_check", "is_desync_error", "log_desync", "own_side", "report_desync"]
 
@@ -100,7 +100,7 @@ _FINGERPRINT_DTYPES = {
     "Byte": "uint8",
 }
 _STORE_WAIT_S = 3.0
-_CONNECT_WAIT_S = CONNECT_S  # a healthy store can take name lookups' timeouts to accept (strategies.job_store)
+_CONNECT_WAIT_S = CONNECT_S  # a healthy store can take name lookups' timeouts to accept (job_store)
 
 
 def enable_desync_check() -> None:
@@ -191,7 +191,7 @@ def _exchange(line: str, rank: int, world_size: int, host: str, port: int) -> li
 
     The store is the rendezvous server every rank already talks to; it is not a collective, so a
     desynchronised process group cannot hang it, and a stopped store host cannot either (the connection
-    ends within 30 s, every store call within 3 s, :mod:`strategies.job_store`). Only rank 0 waits for the
+    ends within 30 s, every store call within 3 s, :mod:`job_store`). Only rank 0 waits for the
     others' lines.
     """
     try:

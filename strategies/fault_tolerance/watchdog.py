@@ -1,21 +1,21 @@
 """``custom_ddp``'s watchdog: progress markers from Lightning's hooks, stall detection, exit causes.
 
 A callback the strategy adds in ``setup`` and removes in ``teardown`` (like
-:class:`~strategies.preemption.Preemption`); the strategy hands it the cluster environment and
+:class:`~strategies.stopping.preemption.Preemption`); the strategy hands it the cluster environment and
 whether optimizer state is sharded, and it never reads the strategy back. While a stage runs on
 2+ ranks it
 
-- starts this rank's :class:`~strategies.heartbeat.Heartbeat` thread on a new client connection
+- starts this rank's :class:`~heartbeat.Heartbeat` thread on a new client connection
   to the job's TCP store (``cluster_environment.main_address:main_port``: the rendezvous store of
   Lightning's launchers, torchrun's agent store), keys under ``custom_ddp/<restart>/<stage n>/``;
 - marks progress at every batch start and end (train, validation, test, predict, sanity check)
-  and optimizer step: the markers :mod:`strategies.stall_watch` reads;
-- on an exception, writes this rank's exit cause (:mod:`strategies.exit_causes`) and, when the
+  and optimizer step: the markers :mod:`stall_watch` reads;
+- on an exception, writes this rank's exit cause (:mod:`exit_causes`) and, when the
   exception is a peer loss (gloo's ``Connection closed by peer``), names the peer that ended first;
 - on rank 0 (on rank 1 when rank 0 is the rank lost), writes the checkpoint of the last completed
-  optimizer step when a stall or a peer's failure ends the job (:mod:`strategies.last_checkpoint`);
+  optimizer step when a stall or a peer's failure ends the job (:mod:`last_checkpoint`);
   while fitting with ``exact_resume``, every rank keeps its random generators at each point where an
-  accumulation window may begin, in the store, for that checkpoint (:mod:`strategies.window_generators`).
+  accumulation window may begin, in the store, for that checkpoint (:mod:`window_generators`).
 
 ``stall_timeout=None`` keeps the heartbeat (exit causes need it) but never ends the job.
 """
@@ -36,14 +36,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallel.rng_state import RngState
-from strategies.elastic_store import uses_shared_agent_store
-from strategies.exit_causes import is_peer_loss, peer_causes, write_exit_record
-from strategies.heartbeat import Heartbeat, Progress
-from strategies.job_store import connect_store
-from strategies.last_checkpoint import LastCheckpoint
+from strategies.fault_tolerance.elastic_store import uses_shared_agent_store
+from strategies.fault_tolerance.exit_causes import is_peer_loss, peer_causes, write_exit_record
+from strategies.fault_tolerance.heartbeat import Heartbeat, Progress
+from strategies.fault_tolerance.job_store import connect_store
+from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
+from strategies.fault_tolerance.stall_watch import StallWatch
+from strategies.fault_tolerance.window_generators import WindowGenerators
 from strategies.options import DEFAULT_STALL_TIMEOUT_S
-from strategies.stall_watch import StallWatch
-from strategies.window_generators import WindowGenerators
 
 __all__ = ["Watchdog"]
 
@@ -158,7 +158,7 @@ class Watchdog(Callback):
             self._watch.on_store_error(error)
 
     def checkpoint_note(self, own_record: dict[str, Any] | None = None, rank0_lost: bool = False) -> str:
-        """Write the last checkpoint if this rank can (:mod:`strategies.last_checkpoint`); the report's line.
+        """Write the last checkpoint if this rank can (:mod:`last_checkpoint`); the report's line.
         ``own_record``: this rank's heartbeat record now (``None``: read it here)."""
         heartbeat = self._heartbeat
         if own_record is None and heartbeat is not None:

@@ -14,7 +14,7 @@ hook the gradient sync needs; the buckets, hooks and collectives are the pure to
   read rank-averaged gradients. ``pre_backward`` hands this rank's preemption status to the sync
   (it rides in the last bucket); ``post_backward`` calls ``finish()`` (then a no-op, or the join of
   a rank whose backward made no gradient) and hands every rank's status back to
-  :class:`strategies.preemption.Preemption`.
+  :class:`strategies.stopping.preemption.Preemption`.
 - **Buffers**: rank 0's before each training forward (``broadcast_buffers``, as torch DDP), and
   once more before validation and at the end of fit, points every rank reaches.
 """
@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from parallel.grad_sync import SyncedDataParallel
 from strategies.options import CustomDDPOptions
-from strategies.preemption import Preemption
+from strategies.stopping import Preemption
 
 __all__ = ["SyncedTraining"]
 

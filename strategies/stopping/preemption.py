@@ -10,7 +10,7 @@ the strategy adds to the Trainer in ``setup`` and removes in ``teardown``).
 
 During ``fit`` (sanity check and validation included):
 
-1. The handler only records the signal (:class:`~strategies.stop_signals.SignalRecorder`);
+1. The handler only records the signal (:class:`~stop_signals.SignalRecorder`);
    :class:`Preemption` owns the stop state: this rank's signal (:attr:`Preemption.local_status`)
    and, once agreed, every rank's.
 2. Before each backward the strategy hands :attr:`~Preemption.local_status` to the gradient sync
@@ -22,7 +22,7 @@ During ``fit`` (sanity check and validation included):
    ``every_n_train_steps`` saves and from where Lightning resumes mid-epoch) every rank writes the
    checkpoint ``<ModelCheckpoint.dirpath>/last.ckpt`` (``<default_root_dir>/preempted.ckpt``
    without a ModelCheckpoint), rank 0 prints one line (signal, rank(s), step, checkpoint, exit
-   status) and every rank raises :class:`~strategies.stop_signals.StopOnSignal`: the process exits
+   status) and every rank raises :class:`~stop_signals.StopOnSignal`: the process exits
    with ``128 + signum`` (SIGTERM 143).
 
 A signal during validation, a checkpoint save or the sanity check is acted on at the next
@@ -58,7 +58,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from strategies.stop_signals import SignalRecorder, StopOnSignal, exit_status, signal_name, write_stderr
+from strategies.stopping.stop_signals import SignalRecorder, StopOnSignal, exit_status, signal_name, write_stderr
 
 if TYPE_CHECKING:  # a type only; the launcher comes from the strategy
     from lightning.pytorch.strategies.launchers.launcher import _Launcher

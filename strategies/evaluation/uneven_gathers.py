@@ -1,6 +1,6 @@
 """Gathers of uneven shapes for :class:`~strategies.custom_ddp.CustomDDPStrategy` (a strategy mixin).
 
-Scatter evaluation (:mod:`strategies.scatter_eval`) gives ranks shards of different lengths, so
+Scatter evaluation (:mod:`scatter_eval`) gives ranks shards of different lengths, so
 anything a rank keeps per sample has a different number of rows on each rank, where Lightning's
 ``all_gather`` (a plain ``dist.all_gather``) needs equal shapes and gloo aborts the process on a
 mismatch. :meth:`UnevenGathers.all_gather` still returns ``ddp``'s shape, and

@@ -1,6 +1,6 @@
 """Every rank's random generators at the start of its accumulation window, kept in the job's store.
 
-The watchdog's last checkpoint (:mod:`strategies.last_checkpoint`) is written after a rank was lost
+The watchdog's last checkpoint (:mod:`last_checkpoint`) is written after a rank was lost
 (a crash, a kill, a stall). It holds the state after the last completed optimizer step, the start of
 the accumulation window the fault came in, and a resume from it trains that window again. For that
 resume to draw what the uninterrupted fit drew (dropout masks, noise, ``np.random``), the checkpoint
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from parallel.rng_state import RngState, decode_rng_state, encode_rng_state, rng_state
-from strategies.job_store import BoundedStore, connect_store, host_store
+from strategies.fault_tolerance.job_store import BoundedStore, connect_store, host_store
 
 __all__ = ["WindowGenerators"]
 
