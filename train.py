@@ -85,20 +85,18 @@ from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
 
 # Every project callback imported (callbacks/ loads them lazily), so configs may name it by its short class name.
 from callbacks import BenchmarkMonitor, CollectiveCounter, PredictionWriter, RunHparams  # noqa: F401
-from callbacks.run_hparams import strategy_name
 from lit_cifar.cli_errors import check_strategy_config, short_option_errors
 from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
+from lit_cifar.fit_summary import fit_summary
 from lit_cifar.module import LitClassifier
 from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
-from measure.run_info import display_path
 from strategies import CustomDDPStrategy
 from strategies.options import check_init_args
 
@@ -156,54 +154,6 @@ def _expand_strategy_name(argv: list[str]) -> list[str]:
             expanded += [f"{_STRATEGY}.{key}={val}" for key, val in init_params.items()]
         i += width
     return expanded
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
-
-
-def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
-    """The few lines a finished fit ends with: accuracy, wall time, the data really used, where the run lives."""
-    metrics = trainer.callback_metrics
-    if "val/acc1" in metrics:
-        top5 = f", top-5 {100 * float(metrics['val/acc5']):.1f} %" if "val/acc5" in metrics else ""
-        validation = (
-            f"top-1 {100 * float(metrics['val/acc1']):.1f} %{top5} (chance: 1 %), after "
-            f"{trainer.current_epoch} epoch(s), {trainer.global_step} optimizer steps"
-        )
-    else:
-        validation = "none ran (limit_val_batches=0?)"
-    used = getattr(datamodule, "dataset_used", None)
-    if used == "synthetic":
-        asked = getattr(datamodule, "hparams", {}).get("dataset")
-        why = "dataset=auto fell back: real CIFAR-100 not available" if asked == "auto" else "dataset=synthetic"
-        data = f"SYNTHETIC stand-in ({why}). These are NOT CIFAR-100 accuracies."
-    elif used == "cifar100":
-        data = "CIFAR-100 (the real data set)"
-    else:
-        data = str(used)
-    logger = trainer.logger
-    if isinstance(logger, TensorBoardLogger):
-        tensorboard = (
-            f"tensorboard --logdir {display_path(logger.root_dir)}   (this run: {display_path(logger.log_dir)})"
-        )
-    else:
-        tensorboard = "no TensorBoard logger in this run"
-    checkpoint = trainer.checkpoint_callback
-    saved = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
-    bar = "=" * 78
-    return "\n".join(
-        [
-            bar,
-            f"lit-cifar fit done: {strategy_name(trainer.strategy)} on {trainer.world_size} process(es), "
-            f"wall time {_minutes(wall_s)} (start of train.py to now)",
-            f"  validation  {validation}",
-            f"  data        {data}",
-            f"  TensorBoard {tensorboard}",
-            f"  checkpoint  {display_path(saved) if saved else 'none saved'}",
-            bar,
-        ]
-    )
 
 
 class LitCifarCLI(LightningCLI):

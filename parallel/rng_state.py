@@ -59,10 +59,14 @@ def set_rng_state(state: RngState) -> None:
 
 
 def gather_rng_states(group: dist.ProcessGroup | None = None) -> list[RngState]:
-    """Every rank's :func:`rng_state`, indexed by rank in ``group``; a collective (every rank calls it)."""
-    states: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(states, rng_state(), group=group)
-    return states
+    """Every rank's :func:`rng_state`, indexed by rank in ``group``; a collective (every rank calls it).
+
+    The states travel encoded (:func:`encode_rng_state`): ``all_gather_object`` pickles a tensor through
+    ``torch.save``, and every rank saving into a buffer at each checkpoint is indistinguishable, to a user's or
+    Lightning's check that only the checkpoint's writer calls ``torch.save``, from every rank saving a file."""
+    encoded: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(encoded, encode_rng_state(rng_state()), group=group)
+    return [decode_rng_state(data) for data in encoded]
 
 
 class _BuiltinsOnly(pickle.Unpickler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,15 @@ def _nothing_written_where_pytest_runs() -> Iterator[None]:
     yield
     new = sorted(set(os.listdir()) - before - {".pytest_cache", "__pycache__"})
     assert not new, f"the test wrote {new} into {os.getcwd()}: give its Trainer default_root_dir=tmp_path"
+
+
+@pytest.fixture
+def python_sigint_handler() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test, as an interactive run has it: a process started
+    in the background by a shell (``pytest &``, ``nohup``) inherits SIGINT ignored, and Python then keeps it so."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(autouse=True)

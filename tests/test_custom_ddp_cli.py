@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the same 2-process popen fit as the quickstart test (tests/test_train_cli.py), the registered
+# name re-parsed by the child as in the predict test below, and custom_ddp_cpu.yaml parsed by test_train_cli_options
 def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
     command = [
         sys.executable,

@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from parallel.shm_barrier import proc_stat
 from strategies.fault_tolerance.desync import _exchange
 from strategies.fault_tolerance.job_store import (
     CONNECT_S,
@@ -31,6 +32,16 @@ DEADLINE_S = 0.3
 # What the deadline may overrun by: scheduling on a loaded 2-core VM (0.2 s was overrun once in a full
 # run on a Zen 3 host). Without the bound, c10d's client waits for good: any finite slack tells them apart.
 SLACK_S = 1.0
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: the signal lands when the process next runs, and on a loaded
+    machine its store thread could answer one more request first (a full run saw a stopped host answer)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    while (proc_stat(pid) or ("?",))[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
 
 
 class BlockingStore:
@@ -124,7 +135,7 @@ def test_a_stopped_store_host_fails_every_operation_within_the_deadline(store_ho
     store = BoundedStore(lambda: dist.PrefixStore("job/", client), op_timeout_s=DEADLINE_S)
     store.set("hb/1", "beat")
     assert store.check(["hb/1"])
-    os.kill(host.pid, signal.SIGSTOP)
+    _stop(host.pid)
     for operation, args in (("check", (["hb/1"],)), ("multi_get", (["hb/1"],)), ("get", ("hb/1",))):
         started = time.monotonic()
         with pytest.raises(StoreUnanswered):
@@ -148,7 +159,7 @@ def test_connecting_to_a_stopped_store_host_fails_within_the_deadline(store_host
     """c10d's client constructor waits for good on a SIGSTOP'd host too (measured: still waiting after 60 s)."""
     port, host = store_host
     connect_store("127.0.0.1", port, "job/", op_timeout_s=DEADLINE_S).set("k", "v")  # healthy: connects
-    os.kill(host.pid, signal.SIGSTOP)
+    _stop(host.pid)
     started = time.monotonic()
     with pytest.raises(StoreUnanswered, match="has not answered connect"):
         connect_store("127.0.0.1", port, "job/", op_timeout_s=DEADLINE_S, connect_timeout_s=DEADLINE_S)
@@ -172,7 +183,7 @@ def test_the_desync_exchange_gives_up_on_a_stopped_store_host(store_host, monkey
     monkeypatch.setattr(
         "strategies.fault_tolerance.desync._CONNECT_WAIT_S", DEADLINE_S
     )  # healthy connections kept CONNECT_S
-    os.kill(host.pid, signal.SIGSTOP)
+    _stop(host.pid)
     started = time.monotonic()
     assert _exchange("rank 0: y", 0, 2, "127.0.0.1", port) is None
     assert time.monotonic() - started < DEADLINE_S + SLACK_S

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import pkgutil
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import pytest
 import collectives
 import measure
 import parallel
+
+# One xdist worker for the module: its fresh interpreters (module-scoped fixtures) run once, not once per worker.
+pytestmark = pytest.mark.xdist_group("layout")
 
 _ROOT = Path(__file__).resolve().parents[1]
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
@@ -72,41 +76,61 @@ _MEASUREMENT = [
 ]
 
 
-@pytest.mark.parametrize(
-    "modules", [_modules(parallel), _modules(collectives), _MEASUREMENT], ids=["parallel", "collectives", "measurement"]
-)
-def test_package_imports_without_lightning(modules):
-    """Every module imports in a fresh interpreter where Lightning cannot be imported at all."""
+_GROUPS = {"parallel": _modules(parallel), "collectives": _modules(collectives), "measurement": _MEASUREMENT}
+
+
+@pytest.fixture(scope="module")
+def imports_without_lightning() -> dict[str, dict[str, str]]:
+    """Per group, the modules that failed to import (module -> error) in ONE fresh interpreter where Lightning
+    cannot be imported at all, and the Lightning modules loaded at the end (key ``"lightning loaded"``)."""
     out = _run_fresh(f"""
-        import sys
+        import importlib, json, sys
         for name in {_LIGHTNING_PACKAGES!r}:
             sys.modules[name] = None  # any `import lightning...` now raises ImportError
-        import importlib
-        for module in {modules!r}:
-            importlib.import_module(module)
-        print(sorted(m for m in sys.modules if m.split('.')[0] in {_LIGHTNING_PACKAGES!r} and sys.modules[m]))
+        failed = {{}}
+        for group, modules in {_GROUPS!r}.items():
+            failed[group] = {{}}
+            for module in modules:
+                try:
+                    importlib.import_module(module)
+                except Exception as error:
+                    failed[group][module] = repr(error)
+        loaded = sorted(m for m in sys.modules if m.split('.')[0] in {_LIGHTNING_PACKAGES!r} and sys.modules[m])
+        print(json.dumps({{**failed, "lightning loaded": loaded}}))
     """)
-    assert out.strip() == "[]"
+    return json.loads(out)
 
 
-def test_strategies_package_registers_custom_ddp():
-    out = _run_fresh("""
-        import strategies
-        from lightning.pytorch.strategies import StrategyRegistry
-        print(sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')))
-    """)
-    assert out.strip() == "['custom_ddp', 'custom_ddp_fork', 'custom_ddp_spawn']"
+@pytest.mark.parametrize("group", list(_GROUPS))
+def test_package_imports_without_lightning(group, imports_without_lightning):
+    """Every module of the group imports where Lightning cannot be imported at all (one interpreter for the
+    three groups: a module of one group that imported Lightning would fail there as well)."""
+    assert imports_without_lightning[group] == {}
+    assert imports_without_lightning["lightning loaded"] == []
 
 
-def test_callbacks_load_lazily_by_their_public_names():
-    out = _run_fresh("""
+@pytest.fixture(scope="module")
+def fresh_registry_and_callbacks() -> list[str]:
+    """One fresh interpreter: whether ``import callbacks`` loads Lightning, the modules of its public names, then
+    the ``custom_ddp`` names registered by ``import strategies``."""
+    return _run_fresh("""
         import sys
         import callbacks
         before = 'lightning' in sys.modules
         from callbacks import BenchmarkMonitor, CollectiveCounter
         print(before, BenchmarkMonitor.__module__, CollectiveCounter.__module__)
-    """)
-    assert out.split() == ["False", "callbacks.benchmark", "callbacks.collective_counter"]
+        import strategies
+        from lightning.pytorch.strategies import StrategyRegistry
+        print(sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')))
+    """).splitlines()
+
+
+def test_strategies_package_registers_custom_ddp(fresh_registry_and_callbacks):
+    assert fresh_registry_and_callbacks[1] == "['custom_ddp', 'custom_ddp_fork', 'custom_ddp_spawn']"
+
+
+def test_callbacks_load_lazily_by_their_public_names(fresh_registry_and_callbacks):
+    assert fresh_registry_and_callbacks[0].split() == ["False", "callbacks.benchmark", "callbacks.collective_counter"]
 
 
 _ROOMS = ("training", "evaluation", "resume", "stopping", "fault_tolerance")

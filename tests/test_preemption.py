@@ -99,7 +99,7 @@ def test_recorder_records_the_first_signal_once_and_restores() -> None:
     assert signal.getsignal(signal.SIGUSR1) is before and not recorder.installed
 
 
-def test_second_sigint_interrupts_at_once() -> None:
+def test_second_sigint_interrupts_at_once(python_sigint_handler: None) -> None:
     recorder = SignalRecorder()
     recorder.repeat_after_s = 0.0
     recorder.install([signal.SIGINT])

@@ -30,7 +30,9 @@ class _SlowSteps(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
-def test_sigint_to_the_launching_process_alone_stops_every_worker_with_a_checkpoint(tmp_path) -> None:
+def test_sigint_to_the_launching_process_alone_stops_every_worker_with_a_checkpoint(
+    tmp_path, python_sigint_handler: None
+) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     trainer = pl.Trainer(
         accelerator="cpu",

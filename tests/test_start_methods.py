@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,22 +28,30 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("start_method_run.py")
 REPO_ROOT = SCRIPT.parents[1]
 
-# (strategy argument, --start-method, Lightning's ddp started the same way). The class with fork or
-# spawn is what the registered names build (test_registered_names_are_the_class_with_a_start_method):
-# those two runs are slow-marked, the other five run by default.
+# (strategy argument, --start-method). Every run is compared with ONE run of Lightning's ddp, started with fork
+# (the quickest): ddp computes the same under every start method (the module is seeded and DDP broadcasts rank 0's
+# weights; test_lightning_ddp_computes_the_same_under_every_start_method, slow). Lightning's ddp with forkserver
+# would be no reference: on CPU it shares the weights' memory between the ranks (a race, see strategies.launchers).
 CUSTOM_RUNS = {
-    "custom_ddp": ("custom_ddp", None, ("ddp", None)),
-    "custom_ddp_fork": ("custom_ddp_fork", None, ("ddp_fork", None)),
-    "custom_ddp_spawn": ("custom_ddp_spawn", None, ("ddp_spawn", None)),
+    "custom_ddp": ("custom_ddp", None),
+    "custom_ddp_fork": ("custom_ddp_fork", None),
+    "custom_ddp_spawn": ("custom_ddp_spawn", None),
     **{
-        f"CustomDDPStrategy(start_method={method})": ("CustomDDPStrategy", method, ("DDPStrategy", method))
+        f"CustomDDPStrategy(start_method={method})": ("CustomDDPStrategy", method)
         for method in ("popen", "fork", "spawn")
     },
-    # Lightning's ddp with forkserver shares the weights' memory between the ranks on CPU (a race, see
-    # strategies.launchers): its spawn run, which unshares, is the reference.
-    "CustomDDPStrategy(start_method=forkserver)": ("CustomDDPStrategy", "forkserver", ("DDPStrategy", "spawn")),
+    "CustomDDPStrategy(start_method=forkserver)": ("CustomDDPStrategy", "forkserver"),
 }
-_SLOW_RUNS = ("CustomDDPStrategy(start_method=fork)", "CustomDDPStrategy(start_method=spawn)")
+REFERENCE = ("ddp_fork", None)
+# The class with popen, fork or spawn is what the registered names build (custom_ddp is the class with Lightning's
+# default start method, popen: test_registered_names_are_the_class_with_a_start_method): those three runs repeat
+# the registered names' and are slow-marked. forkserver runs the launcher of spawn (custom_ddp_spawn's run) with one
+# step more, each worker unsharing its module's memory, which test_forkserver_workers_own_their_weights checks in
+# one process: its run is slow-marked too. Three runs by default.
+_SLOW_RUNS = (
+    *(f"CustomDDPStrategy(start_method={method})" for method in ("popen", "fork", "spawn")),
+    "CustomDDPStrategy(start_method=forkserver)",
+)
 # gloo in a spawned worker of Lightning's ddp_spawn often aborts at exit after the stage finished
 # ("terminate called without an active exception", SIGABRT; 3 of 8 runs of the script on a quiet
 # 2-core machine, twice in a row in one CI run): Lightning's spawn references destroy their process
@@ -71,21 +80,10 @@ def _run(tmp_dir: Path, strategy: str, start_method: str | None, reference: bool
     return result
 
 
-class _DDPRuns(dict):
-    """Lightning's ddp results per (strategy, start method), each run once, on first use."""
-
-    def __init__(self, tmp_dir: Path) -> None:
-        super().__init__()
-        self._tmp_dir = tmp_dir
-
-    def __missing__(self, key: tuple[str, str | None]) -> dict[str, Any]:
-        self[key] = _run(self._tmp_dir, key[0], key[1], reference=True)
-        return self[key]
-
-
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> _DDPRuns:
-    return _DDPRuns(tmp_path_factory.mktemp("ddp"))
+def ddp_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Lightning's ddp, started with fork: the results every custom_ddp run must give."""
+    return _run(tmp_path_factory.mktemp("ddp"), *REFERENCE, reference=True)
 
 
 def _assert_close(actual: Any, expected: Any, what: str) -> None:
@@ -93,7 +91,6 @@ def _assert_close(actual: Any, expected: Any, what: str) -> None:
 
 
 def _assert_same_results(custom: dict[str, Any], ddp: dict[str, Any], what: str) -> None:
-    assert custom["strategy"] == "CustomDDPStrategy" and ddp["strategy"] == "DDPStrategy"
     for left, right in zip(custom["weights"], ddp["weights"], strict=True):
         _assert_close(left, right, f"{what}: fitted weights")
     for stage in ("validate", "test"):
@@ -108,13 +105,37 @@ def _assert_same_results(custom: dict[str, Any], ddp: dict[str, Any], what: str)
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=[pytest.mark.slow] if name in _SLOW_RUNS else []) for name in CUSTOM_RUNS]
 )
-def test_each_name_and_start_method_runs_every_stage_as_ddp(name: str, tmp_path: Path, ddp_results: _DDPRuns) -> None:
-    strategy, start_method, reference = CUSTOM_RUNS[name]
-    custom = _run(tmp_path, strategy, start_method)
+def test_each_name_and_start_method_runs_every_stage_as_ddp(name: str, tmp_path: Path, ddp_result: dict) -> None:
+    custom = _run(tmp_path, *CUSTOM_RUNS[name])
     # Each rank owns its weights: with forkserver the ranks' parameters were one shared storage (every
     # rank's optimizer step also moved the others'; a full run fitted 0.029 from the truth).
     assert custom["weights_shared"] is False, f"{name}: rank 1's change to its weights reached rank 0"
-    _assert_same_results(custom, ddp_results[reference], f"{name} vs {reference}")
+    assert custom["strategy"] == "CustomDDPStrategy" and ddp_result["strategy"] == "DDPStrategy"
+    _assert_same_results(custom, ddp_result, f"{name} vs {REFERENCE[0]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", [("ddp", None), ("ddp_spawn", None), ("DDPStrategy", "popen")], ids=str)
+def test_lightning_ddp_computes_the_same_under_every_start_method(start: tuple, tmp_path: Path, ddp_result: dict):
+    """Why one reference run serves every start method above."""
+    _assert_same_results(_run(tmp_path, *start, reference=True), ddp_result, f"{start} vs {REFERENCE[0]}")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_forkserver_workers_own_their_weights(start_method: str, monkeypatch) -> None:
+    """A module received through torch.multiprocessing (its parameters in shared memory, one storage for every
+    rank) gets memory of its own in a forkserver or spawn worker before the stage runs; fork shares nothing."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from strategies.launchers import OneStageMultiProcessingLauncher
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the worker sets it
+    strategy = SimpleNamespace(accelerator=CPUAccelerator(), num_processes=2)
+    launcher = OneStageMultiProcessingLauncher(strategy, start_method=start_method)
+    received = torch.nn.Linear(2, 2).share_memory()
+    seen = []
+    launcher._wrapping_function(1, None, lambda module: seen.append(module.weight.is_shared()), (received,), {}, None)
+    assert seen == [start_method == "fork"]
 
 
 def test_registered_names_are_the_class_with_a_start_method() -> None:

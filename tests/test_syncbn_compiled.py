@@ -1,10 +1,10 @@
 """SyncBatchNorm(compile=True): the compiled passes against the eager kernel and torch's BatchNorm.
 
 The full parity matrix (every case of test_syncbn_distributed.py, the 1e4 offset, bf16 autocast)
-runs compiled there too, marked ``slow``; here: one 2-rank parity check in the default run (a
-first compile takes ~20 s with a cold inductor cache), the fallback when compiling fails, what is
-compiled at all, recompilation counts, fp16/bf16 inputs, the assignment's grid and the strategy
-option.
+runs compiled there too, marked ``slow``; here: one 2-rank parity check (``slow`` as well: nothing
+compiles in the default run, a first compile takes ~20 s with a cold inductor cache), the fallback
+when compiling fails, what is compiled at all, recompilation counts, fp16/bf16 inputs, the
+assignment's grid and the strategy option.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def _parity_worker(rank: int, world_size: int, case) -> dict:
     }
 
 
+@pytest.mark.slow  # torch.compile stays out of the default run (a first compile: ~20 s, more on a loaded machine)
 def test_compiled_matches_eager_and_batch_norm_on_two_ranks(tmp_path):
     """Uneven local batches (3 and 5), a conv input, 2 steps and eval: the compiled passes give
     torch's results on the global batch and the eager kernel's within fp32 rounding, with one
