@@ -23,7 +23,7 @@ The same on one process, or with Lightning's DDP (gloo) instead of custom_ddp:
     python train.py fit --config configs/quickstart.yaml --trainer.devices=1 --trainer.strategy=auto
     python train.py fit --config configs/quickstart.yaml --config configs/ddp_cpu.yaml
 
-More of the hand-written data-parallel strategy (see README, "The custom_ddp strategy"):
+More of the hand-written data-parallel strategy (see docs/strategy.md):
     python train.py fit --config configs/quickstart.yaml --trainer.strategy.sync_mode=flat
     python train.py fit --config configs/custom_ddp_cpu.yaml   # 2 CPU processes, accumulate 2, every option shown
 Its options follow the registered name (custom_ddp, custom_ddp_fork, custom_ddp_spawn) on the command
@@ -46,12 +46,13 @@ every process after the same optimizer step; rank 0 prints the checkpoint it wro
 last.ckpt) and the exit status is 128 + the signal number (SIGTERM: 143). Resume from it:
     python train.py fit --config configs/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
 A collective only some processes issue waits for the timeout; with --trainer.strategy.desync_check=true it is
-an error naming both sides instead (README, "Stopping safely"). A process that stops making progress (stopped,
+an error naming both sides instead (docs/stopping-and-resuming.md). A process that stops making progress (stopped,
 looping, a blocked DataLoader) ends every process after --trainer.strategy.stall_timeout seconds (default 300)
 with exit status 75 and one report from rank 0 naming it.
 
 Restarts that resume: --ckpt_path=last resumes from the run's newest last.ckpt and starts fresh when there is
-none yet, so one command serves the first run and every restart of torch elastic (or a SLURM requeue, README):
+none yet, so one command serves the first run and every restart of torch elastic (or a SLURM requeue, see
+docs/stopping-and-resuming.md):
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 train.py fit --config configs/quickstart.yaml \
         --ckpt_path=last
 

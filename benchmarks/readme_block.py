@@ -1,6 +1,7 @@
-"""One generated block of README.md: the text between a begin and an end marker, replaced whole.
+"""One generated block of a Markdown page (README.md, docs/*.md): the text between a begin and an end marker,
+replaced whole.
 
-The benchmark results (:mod:`benchmarks.readme_results`), the conformance tables
+The benchmark results and README's headline (:mod:`benchmarks.readme_results`), the conformance tables
 (:mod:`conformance.table`, :mod:`conformance.training_table`) and the fault matrix
 (:mod:`conformance.fault_matrix_report`) each own one such block. Pure Python.
 """
@@ -13,7 +14,7 @@ __all__ = ["replace_block"]
 
 
 def replace_block(readme: Path, begin: str, end: str, block: str) -> tuple[str, str]:
-    """``(README text now, README text with block in place of begin ... end)``; ``block`` holds both
+    """``(page text now, page text with block in place of begin ... end)``; ``block`` holds both
     markers. Raises ``ValueError`` naming the file and the markers when either is missing."""
     text = readme.read_text()
     if begin not in text or end not in text:

@@ -1,12 +1,15 @@
-"""Generate the README's results block from the committed benchmark records, so it cannot drift.
+"""Generate the results blocks from the committed benchmark records, so they cannot drift.
 
 Per ``benchmarks/results/<name>/results.json`` with a headline: the command, the machine (ratios
 differ between CPUs), whether the run was comparable, and the rows of the benchmark's own
 ``headline(record)`` (what against what, value [95 % CI], verdict), between ``<!-- results:begin -->``
-and ``<!-- results:end -->`` of README.md::
+and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's headline, between
+``<!-- headline:begin -->`` and ``<!-- headline:end -->``: the ``HEADLINE_WHAT`` rows of the
+``HEADLINE_RECORDS`` (custom_ddp against Lightning's ddp tuned in Lightning fits), one per machine and
+cell, the one with the most samples where a cell was measured twice::
 
-    python -m benchmarks.readme_results --write     # after committing new results
-    python -m benchmarks.readme_results             # exit 1 if README.md differs (the tests check it too)
+    python -m benchmarks.readme_results --write     # after committing new results: both blocks
+    python -m benchmarks.readme_results             # exit 1 if either differs (the tests check them too)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +26,14 @@ from benchmarks.harness import fmt_value, headline_table, machine
 from benchmarks.readme_block import replace_block
 from measure.stats import INTERVALS
 
-__all__ = ["render_block", "update_readme"]
+__all__ = ["render_block", "render_headline", "update_headline", "update_readme"]
 
-RESULTS, README = Path(__file__).resolve().parent / "results", Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS, README, PAGE = ROOT / "benchmarks" / "results", ROOT / "README.md", ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
+HEADLINE_RECORDS = ("compare_localbn", "paired_fits")  # record folders whose names start so
+HEADLINE_WHAT = "custom_ddp (local BN) / ddp tuned (local BN): step time, "
 # Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
 _STEP_DRAWN = (
     " **Intervals too narrow:** written before intervals drew whole runs (they drew single steps, "
@@ -38,18 +46,32 @@ def _drew_steps(record: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
     return record.get("intervals") != INTERVALS and any(isinstance(r["value"], dict) for r in rows)
 
 
-def _section(name: str, record: dict[str, Any]) -> list[str]:
-    """Rows from the record's benchmark module's ``headline(record)`` (``benchmarks.compare`` for a record
-    under ``results/compare_localbn``); the stored rows of a benchmark without a module."""
+def _module(name: str, record: dict[str, Any]) -> Any:
+    """The record's benchmark module (``benchmarks.compare`` for a record under ``results/compare_localbn``)."""
     benchmark = record.get("benchmark", name)
     spec = importlib.util.find_spec(f"benchmarks.{benchmark}")
-    module = importlib.import_module(f"benchmarks.{benchmark}") if spec else None
+    return importlib.import_module(f"benchmarks.{benchmark}") if spec else None
+
+
+def _rows(module: Any, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The module's ``headline(record)``; the stored rows of a benchmark without a module."""
+    return module.headline(record) if module else record["headline"]
+
+
+def _report(name: str, page: Path) -> str:
+    """The link from ``page`` to the record's ``results.md``."""
+    return Path(os.path.relpath(RESULTS / name / "results.md", page.parent)).as_posix()
+
+
+def _section(name: str, record: dict[str, Any], page: Path = PAGE) -> list[str]:
+    """Rows from the record's benchmark module's ``headline(record)``, its report linked from ``page``."""
+    benchmark, module = record.get("benchmark", name), _module(name, record)
     title = getattr(module, "TITLE", benchmark) + ("" if name == benchmark else f" ({name})")
     quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
-    rows = module.headline(record) if module else record["headline"]
+    rows = _rows(module, record)
     return [
-        f"**{title}** ([report](benchmarks/results/{name}/results.md)): `{record['command'].strip()}`; "
+        f"**{title}** ([report]({_report(name, page)})): `{record['command'].strip()}`; "
         f"{machine(record['environment'])}; {status}: 1-min load {quiet['load_before']:.2f} before, other "
         f"processes {share} during.{_STEP_DRAWN if _drew_steps(record, rows) else ''}",
         "",
@@ -58,8 +80,8 @@ def _section(name: str, record: dict[str, Any]) -> list[str]:
     ]
 
 
-def render_block(results: Path = RESULTS) -> str:
-    """The Markdown between the markers, from every record with a headline under ``results``."""
+def render_block(results: Path = RESULTS, page: Path = PAGE) -> str:
+    """The Markdown between the markers, from every record with a headline under ``results``, links from ``page``."""
     lines = [
         BEGIN,
         "",
@@ -67,27 +89,81 @@ def render_block(results: Path = RESULTS) -> str:
         "`benchmarks/results/*/results.json`; do not edit by hand._",
         "",
     ]
-    for path in sorted(results.glob("*/results.json")):
-        record = json.loads(path.read_text())
-        if "headline" in record and "quietness" in record:
-            lines += _section(path.parent.name, record)
+    for name, record in _records(results):
+        lines += _section(name, record, page)
     return "\n".join(lines + [END])
 
 
-def update_readme(readme: Path = README, results: Path = RESULTS) -> tuple[str, str]:
-    """``(current README text, README text with a fresh block)``; raises if the markers are missing."""
-    return replace_block(readme, BEGIN, END, render_block(results))
+def _records(results: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(folder name, record)`` of every record with a headline under ``results``, by name."""
+    records = [(path.parent.name, json.loads(path.read_text())) for path in sorted(results.glob("*/results.json"))]
+    return [(name, record) for name, record in records if "headline" in record and "quietness" in record]
+
+
+def _samples(value: Any) -> int:
+    """How many samples (runs, pairs) an estimate or a list of them drew on (the fewest of a list)."""
+    values = value if isinstance(value, list) else [value]
+    return min((v.get("n", 0) if isinstance(v, dict) else 0) for v in values)
+
+
+def render_headline(results: Path = RESULTS, page: Path = README) -> str:
+    """README's headline block: the ``HEADLINE_WHAT`` rows of the ``HEADLINE_RECORDS``, one per machine and cell
+    (the one with the most samples), each naming its machine and linking its record's report from ``page``."""
+    cells: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+    for name, record in _records(results):
+        if not name.startswith(HEADLINE_RECORDS):
+            continue
+        where = machine(record["environment"])
+        for row in _rows(_module(name, record), record):
+            if row["what"].startswith(HEADLINE_WHAT):
+                what = f"{row['what'].removeprefix(HEADLINE_WHAT)}; {where}, [{name}]({_report(name, page)})"
+                key, samples = (where, row["what"]), _samples(row["value"])
+                if key not in cells or samples > cells[key][0]:
+                    cells[key] = (samples, {**row, "what": what})
+    machines = list(dict.fromkeys(where for where, _ in cells))  # in the records' order
+    rows = [cells[key][1] for key in sorted(cells, key=lambda key: (machines.index(key[0]), key[1]))]
+    benchmarks = Path(os.path.relpath(PAGE, page.parent)).as_posix()
+    return "\n".join(
+        [
+            HEADLINE_BEGIN,
+            "",
+            "_Generated by `python -m benchmarks.readme_results --write` from the committed records named in each "
+            f"row; every result: [Benchmarks]({benchmarks}#results)._",
+            "",
+            *headline_table(rows),
+            "",
+            HEADLINE_END,
+        ]
+    )
+
+
+def update_readme(readme: Path = PAGE, results: Path = RESULTS) -> tuple[str, str]:
+    """``(page text now, page text with a fresh results block)`` of the Markdown page ``readme`` (default
+    ``docs/benchmarks.md``); raises if the markers are missing."""
+    return replace_block(readme, BEGIN, END, render_block(results, readme))
+
+
+def update_headline(readme: Path = README, results: Path = RESULTS) -> tuple[str, str]:
+    """``(README text now, README text with a fresh headline block)``; raises if the markers are missing."""
+    return replace_block(readme, HEADLINE_BEGIN, HEADLINE_END, render_headline(results, readme))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's results block (default: check it)")
-    current, fresh = update_readme()
-    if parser.parse_args(argv).write:
-        README.write_text(fresh)
-    elif current != fresh:
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite docs/benchmarks.md's results block and README.md's headline (default: check them)",
+    )
+    write, stale = parser.parse_args(argv).write, []
+    for page, (current, fresh) in ((PAGE, update_readme()), (README, update_headline())):
+        if write:
+            page.write_text(fresh)
+        elif current != fresh:
+            stale.append(page.relative_to(ROOT).as_posix())
+    if stale:
         print(
-            "README.md's results block differs from benchmarks/results/*/results.json: run "
+            f"{' and '.join(stale)}: the generated results differ from benchmarks/results/*/results.json: run "
             "python -m benchmarks.readme_results --write",
             file=sys.stderr,
         )

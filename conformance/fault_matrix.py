@@ -15,10 +15,11 @@ forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0'
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
 after the fault, else the newest one before it)::
 
-    python -m conformance.fault_matrix                  # every row (~3 min on 2 cores), README block
-    python -m conformance.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # README untouched
+    python -m conformance.fault_matrix                  # every row (~3 min on 2 cores), the page's block
+    python -m conformance.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # the page untouched
 
-Writes ``results.json``, ``results.md`` and README.md's block (:mod:`conformance.fault_matrix_report`).
+Writes ``results.json``, ``results.md`` and the block of ``docs/stopping-and-resuming.md``
+(:mod:`conformance.fault_matrix_report`).
 ``tests/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
 """
 
@@ -46,7 +47,7 @@ from measure.run_info import environment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
-README = REPO_ROOT / "README.md"
+PAGE = fault_matrix_report.PAGE  # the manual's page that holds the table
 
 
 def _fit_command(out: Path, row: Row | None, ckpt_path: Path | None = None, accumulate: int = 1) -> list[str]:
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / "results.md").write_text("# Fault matrix\n\n" + fault_matrix_report.render_block(record) + "\n")
     if args.out == DEFAULT_OUT and not args.rows:
-        README.write_text(fault_matrix_report.update_readme(record)[1])
+        PAGE.write_text(fault_matrix_report.update_readme(record)[1])
     return 0
 
 

@@ -1,12 +1,12 @@
 """Conformance table: each evaluation pattern under 1 process, Lightning's ``ddp`` and ``custom_ddp``.
 
 Runs the patterns of :mod:`conformance.patterns` on 11 samples (2 CPU ranks, fork + gloo,
-batches of 4) and writes ``results.json`` + ``results.md`` and README.md's block between
-``<!-- conformance:begin -->`` and ``<!-- conformance:end -->``. Values are what rank 0 logged.
+batches of 4) and writes ``results.json`` + ``results.md`` and the block of ``docs/evaluation.md`` (``PAGE``)
+between ``<!-- conformance:begin -->`` and ``<!-- conformance:end -->``. Values are what rank 0 logged.
 A value of ``custom_ddp`` or ``ddp`` that differs from one process by more than 1e-6 is marked ≠::
 
     python -m conformance.table                  # about a minute on 2 cores
-    python -m conformance.table --out /tmp/x     # elsewhere; README untouched
+    python -m conformance.table --out /tmp/x     # elsewhere; the page untouched
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from strategies.custom_ddp import CustomDDPStrategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "evaluation"
+PAGE = REPO_ROOT / "docs" / "evaluation.md"  # the manual's page that holds the table
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 SETTINGS = ("one_process", "ddp", "custom_ddp")
 # What each logged key is, for a reader; keys not listed are shown as they are.
@@ -162,12 +163,13 @@ def render(record: dict[str, Any]) -> list[str]:
 
 def update_readme(
     record: dict[str, Any],
-    readme: Path = REPO_ROOT / "README.md",
+    readme: Path = PAGE,
     render_record: Callable[[dict[str, Any]], list[str]] | None = None,
     begin: str = BEGIN,
     end: str = END,
 ) -> tuple[str, str]:
-    """``(README text, README text with a fresh block)``; raises if the markers are missing.
+    """``(page text, page text with a fresh block)`` of the Markdown page ``readme``; raises if the markers are
+    missing.
 
     ``render_record``, ``begin`` and ``end``: another table's renderer and markers (default: this one's).
     """
@@ -183,20 +185,22 @@ def write_tables(
     render_record: Callable[[dict[str, Any]], list[str]] = render,
     begin: str = BEGIN,
     end: str = END,
+    page: Path = PAGE,
 ) -> None:
-    """``results.json`` + ``results.md`` in ``out``; with ``out=None`` in ``default_out`` and README's block too."""
+    """``results.json`` + ``results.md`` in ``out``; with ``out=None`` in ``default_out`` and ``page``'s block too."""
     folder = out or default_out
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     (folder / "results.md").write_text("\n".join([f"# {title}", "", *render_record(record)]) + "\n")
     if out is None:
-        readme = REPO_ROOT / "README.md"
-        readme.write_text(update_readme(record, readme, render_record, begin, end)[1])
+        page.write_text(update_readme(record, page, render_record, begin, end)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}, and README)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}, and {PAGE.name})"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as work:

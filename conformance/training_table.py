@@ -2,13 +2,13 @@
 
 Runs every pattern of :mod:`conformance.training_patterns` (2 CPU ranks, fork + gloo; 32 samples,
 batches of 4 per rank) under its truth (one process on the global batch, ``ddp``'s rank 0, or the same strategy
-uninterrupted), ``ddp`` and ``custom_ddp``, and writes ``results.json`` + ``results.md`` and README.md's block
-between ``<!-- training-conformance:begin -->`` and ``<!-- training-conformance:end -->``. Each
-cell: the largest |weight or buffer - truth| over every rank, and whether the ranks hold bitwise
-identical states at the end of ``fit``::
+uninterrupted), ``ddp`` and ``custom_ddp``, and writes ``results.json`` + ``results.md`` and the block of
+``docs/training-conformance.md`` (``PAGE``) between ``<!-- training-conformance:begin -->`` and
+``<!-- training-conformance:end -->``. Each cell: the largest |weight or buffer - truth| over every
+rank, and whether the ranks hold bitwise identical states at the end of ``fit``::
 
     python -m conformance.training_table                 # a few minutes on 2 cores (torch.compile rows)
-    python -m conformance.training_table --out /tmp/x    # elsewhere; README untouched
+    python -m conformance.training_table --out /tmp/x    # elsewhere; the page untouched
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from conformance.training_runs import compare, fit_pattern
 from measure.run_info import environment
 
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "training"
+PAGE = REPO_ROOT / "docs" / "training-conformance.md"  # the manual's page that holds the table
 BEGIN, END = "<!-- training-conformance:begin -->", "<!-- training-conformance:end -->"
 EXACT = 1e-6  # above this a float32 cell is marked ≠
 TRUTHS = {
@@ -83,14 +84,16 @@ def render(record: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}, and README)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"results folder (default {DEFAULT_OUT}, and {PAGE.name})"
+    )
     parser.add_argument("--only", nargs="*", default=None, help="pattern keys to run (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     names = args.only or list(PATTERNS)
     rows = [_row(name, PATTERNS[name]) for name in names]
     record = {"command": "python -m conformance.training_table", "environment": environment(), "rows": rows}
-    write_tables(record, args.out, DEFAULT_OUT, "Training conformance", render, BEGIN, END)
+    write_tables(record, args.out, DEFAULT_OUT, "Training conformance", render, BEGIN, END, PAGE)
     return 0
 
 

@@ -81,7 +81,7 @@ def _warn_fallback(root: str | Path, reason: str) -> None:
     warnings.warn(
         f"\n{bar}\n  dataset=auto: real CIFAR-100 is not available under {Path(root) / CIFAR100.base_folder}"
         f"\n  ({reason}).\n  FALLING BACK TO SYNTHETIC DATA: accuracies are NOT CIFAR-100 accuracies."
-        f"\n  Recorded as hparam dataset_used=synthetic. README.md says how to get the real data.\n{bar}",
+        f"\n  Recorded as hparam dataset_used=synthetic. docs/data.md says how to get the real data.\n{bar}",
         UserWarning,
         stacklevel=3,
     )

@@ -51,7 +51,7 @@ class SyncBatchNorm(_BatchNorm):
         compile: Run the training-mode passes compiled with ``torch.compile`` (the same math as
             the eager kernel, fused: :mod:`parallel.syncbn_kernels`); the first training step
             compiles (~20 s on CPU with a cold inductor cache, ~3 s per new layer shape). If
-            compiling fails the layer warns once and runs eagerly. Off by default: see README.
+            compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md.
     """
 
     def __init__(

@@ -9,7 +9,7 @@ exact metrics (:mod:`strategies.evaluation`); a fit resumed mid-epoch trains onl
 trained, with the interrupted fit's random generators (:mod:`strategies.resume`); signals stop every
 rank at one step (:mod:`strategies.stopping`); a stalled or failed rank ends the job with a diagnosis
 (:mod:`strategies.fault_tolerance`). Options: :class:`strategies.options.CustomDDPOptions`. Private
-Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: the README and docs/.
+Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: docs/strategy.md.
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy="custom_ddp", accumulate_grad_batches=4)
     trainer = Trainer(strategy=CustomDDPStrategy(sync_mode="flat", zero1=True, start_method="fork"))
@@ -80,7 +80,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
             checkpoint saved while fitting holds every rank's random generators, restored on resuming.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
-    checkpoint and exit status 128 + signum. Details per option: the README's option table.
+    checkpoint and exit status 128 + signum. Details per option: docs/strategy.md#options.
     """
 
     strategy_name = "custom_ddp"

@@ -51,7 +51,7 @@ class CustomDDPOptions:
     """``CustomDDPStrategy``'s own options, validated once at construction: one ``ValueError`` lists
     every bad value with its fix. Adding an option: a field here (+ its check), and in
     ``strategies/custom_ddp.py`` a parameter of the strategy (one docstring line) and its use.
-    The fields' meanings are in the strategy's docstring and the README's option table."""
+    The fields' meanings are in the strategy's docstring and docs/strategy.md#options."""
 
     sync_batchnorm: bool = True
     syncbn_group_size: int | None = None

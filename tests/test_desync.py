@@ -1,8 +1,8 @@
 """The desync check's option, its error detection and the attribution of a rank's own collective.
 
 The end-to-end case (a collective on rank 0 only, caught within milliseconds, both sides named by
-rank 0) is a row of the fault matrix (``tests/test_fault_matrix.py``); the README's cost table must
-come from the committed ``benchmarks/results/desync_cost`` record (``tests/test_readme_results.py``).
+rank 0) is a row of the fault matrix (``tests/test_fault_matrix.py``); the cost table of docs/benchmarks.md
+must come from the committed ``benchmarks/results/desync_cost`` record (``tests/test_readme_results.py``).
 """
 
 from __future__ import annotations

@@ -200,4 +200,7 @@ def test_fault_matrix_row(tmp_path: Path, row: Row) -> None:
 def test_readme_fault_table_is_generated_from_the_committed_results() -> None:
     record = json.loads((DEFAULT_OUT / "results.json").read_text())
     current, fresh = fault_matrix_report.update_readme(record)
-    assert current == fresh, "README.md's fault table is stale: run python -m conformance.fault_matrix"
+    assert current == fresh, (
+        "docs/stopping-and-resuming.md's fault table is stale: run python -m conformance.fault_matrix_report --write "
+        "(or python -m conformance.fault_matrix)"
+    )

@@ -1,4 +1,5 @@
-"""README.md's results block is generated from the committed benchmark records and must match them."""
+"""The generated blocks (docs/benchmarks.md's results, README.md's headline, the conformance tables of
+docs/evaluation.md and docs/training-conformance.md) must match the committed records they are made from."""
 
 from __future__ import annotations
 
@@ -13,12 +14,68 @@ from record_compare import record_differences
 
 from benchmarks import rederive
 from benchmarks.harness import RESULTS
-from benchmarks.readme_results import BEGIN, END, render_block, update_readme
+from benchmarks.readme_results import (
+    BEGIN,
+    END,
+    HEADLINE_BEGIN,
+    HEADLINE_END,
+    HEADLINE_WHAT,
+    README,
+    render_block,
+    render_headline,
+    update_headline,
+    update_readme,
+)
 
 
 def test_readme_numbers_match_the_committed_results():
     current, fresh = update_readme()
-    assert current == fresh, "README.md is stale: run python -m benchmarks.readme_results --write"
+    assert current == fresh, "docs/benchmarks.md is stale: run python -m benchmarks.readme_results --write"
+
+
+def test_readme_headline_matches_the_committed_results():
+    current, fresh = update_headline()
+    assert current == fresh, "README.md's headline is stale: run python -m benchmarks.readme_results --write"
+
+
+def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(tmp_path):
+    """A cell measured twice on one machine shows the run with more pairs; other machines, rows and records stay
+    out or apart; report links are relative to the page."""
+
+    def record(name: str, cpu_id: str, rows: list[dict]) -> None:
+        (tmp_path / name).mkdir()
+        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2}
+        quiet = {"comparable": True, "load_before": 0.5, "foreign_share": 0.0}
+        (tmp_path / name / "results.json").write_text(
+            json.dumps({"headline": rows, "environment": env, "quietness": quiet})
+        )
+
+    def row(cell: str, value: float, n: int) -> dict:
+        return {
+            "what": HEADLINE_WHAT + cell,
+            "value": {"value": value, "low": value - 0.1, "high": value + 0.1, "n": n},
+        }
+
+    record(
+        "paired_fits_old",
+        "A",
+        [row("template net, accumulate 2", 1.004, 40), row("template net, accumulate 1", 0.98, 40)],
+    )
+    record("paired_fits_new", "A", [row("template net, accumulate 2", 0.977, 120)])
+    record("paired_fits_other_machine", "B", [row("template net, accumulate 2", 0.911, 20)])
+    record("unrelated", "A", [row("template net, accumulate 4", 0.5, 500)])
+    record(
+        "compare_localbn", "A", [{"what": "something else", "value": 2.0}, row("resnet18 net, accumulate 1", 0.9, 64)]
+    )
+    block = render_headline(tmp_path, README)
+    assert block.startswith(HEADLINE_BEGIN) and block.endswith(HEADLINE_END)
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "net, accumulate" in line]
+    assert len(rows) == 4, block
+    assert "0.977 [0.877, 1.08]" in block and "1.00 [0.904, 1.10]" not in block  # 120 pairs win over 40
+    assert "0.980 [0.880, 1.08]" in block and "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
+    assert "unrelated" not in block and "something else" not in block
+    assert "[paired_fits_new](benchmarks/results/paired_fits_new/results.md)" in block
+    assert "[Benchmarks](docs/benchmarks.md#results)" in block
 
 
 def test_block_renders_headline_rows_and_quietness(tmp_path):
@@ -74,17 +131,19 @@ def test_readme_conformance_table_matches_its_record():
     from conformance.table import DEFAULT_OUT, update_readme
 
     current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()))
-    assert current == fresh, "README.md's conformance table is stale: run python -m conformance.table"
+    assert current == fresh, "docs/evaluation.md's conformance table is stale: run python -m conformance.table"
 
 
 def test_readme_training_conformance_table_matches_its_record():
     from conformance.table import update_readme
-    from conformance.training_table import BEGIN, DEFAULT_OUT, END, render
+    from conformance.training_table import BEGIN, DEFAULT_OUT, END, PAGE, render
 
     current, fresh = update_readme(
-        json.loads((DEFAULT_OUT / "results.json").read_text()), render_record=render, begin=BEGIN, end=END
+        json.loads((DEFAULT_OUT / "results.json").read_text()), PAGE, render_record=render, begin=BEGIN, end=END
     )
-    assert current == fresh, "README.md's training table is stale: run python -m conformance.training_table"
+    assert current == fresh, (
+        "docs/training-conformance.md's training table is stale: run python -m conformance.training_table"
+    )
 
 
 def _rederived_differences(tmp_path, committed: Path) -> list[str]:

@@ -3,7 +3,7 @@
 2 CPU ranks (fork + gloo). The truth is one process on the global batch, or Lightning's ``ddp``
 (rank 0's state: what its checkpoint holds) where per-rank state is part of the pattern. Every rank
 of ``custom_ddp`` must hold that state (within float rounding) and the ranks must agree bitwise.
-The same runs generate the README's training table (``python -m conformance.training_table``).
+The same runs generate the training table of docs/training-conformance.md (``python -m conformance.training_table``).
 """
 
 from __future__ import annotations

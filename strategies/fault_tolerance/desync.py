@@ -20,7 +20,7 @@ or user code with file and line), and the ranks exchange these lines through the
 Cost: a barrier and an all_gather on the helper group before every collective, and asynchronous
 collectives (gradient buckets) wait for the peer at launch, losing overlap with backward: a few ms
 per collective of a step on 2 CPU ranks, tens of percent of a small step
-(``benchmarks/results/desync_cost``, also in README.md). Turn it on to debug a hang, in CI and after changing
+(``benchmarks/results/desync_cost``, also in docs/benchmarks.md). Turn it on to debug a hang, in CI and after changing
 anything that issues collectives; leave it off for long production runs. It must be on before the
 process group exists: the strategy sets torch's debug level in ``setup_environment`` of every rank.
 """
