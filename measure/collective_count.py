@@ -19,7 +19,9 @@ Attribution, first rule that matches:
 
 1. ``syncbn_forward`` / ``syncbn_backward``: issued inside the forward / backward of the SyncBN
    autograd function (``parallel.syncbn_function._SyncBatchNormFunction`` or torch's
-   ``SyncBatchNorm``): an all_gather and an all_reduce per layer call.
+   ``SyncBatchNorm``): an all_gather and an all_reduce per layer call; through shared memory
+   (:mod:`parallel.host_exchange`, ops ``shared_memory_all_gather`` / ``shared_memory_all_reduce``) they
+   count once each, at their profiler label.
 2. ``ddp_bucket_rebuild`` / ``ddp_buffers``: a broadcast inside ``DistributedDataParallel.forward``.
    The reducer's bucket rebuild sends int32 tensors (bucket sizes, then parameter indices; once,
    on the first forward after the first synced backward); any other dtype is the buffer sync
@@ -64,6 +66,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from parallel.buffer_sync import BUFFER_BROADCAST
 from parallel.grad_sync import SyncedDataParallel
+from parallel.host_exchange import parse_exchange_label
 from parallel.host_reduce import WORKER_LABEL, parse_launch_label
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
@@ -212,15 +215,23 @@ def _collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: b
     return Collective(op, kind, source, size, shapes, dtype, root, before_batch)
 
 
+def _shared_memory_label(name: str) -> tuple[str, str, int] | None:
+    """``(kind, dtype, numel)`` of a collective through shared memory that the profiler label ``name`` marks: a
+    gradient bucket's launch (:func:`parallel.host_reduce.parse_launch_label`) or a SyncBatchNorm statistics
+    exchange (:func:`parallel.host_exchange.parse_exchange_label`); ``None`` for any other event."""
+    bucket = parse_launch_label(name)
+    return ("all_reduce", *bucket) if bucket else parse_exchange_label(name)
+
+
 def _shared_memory_collective(
-    label: tuple[str, int], ancestors: list[str], hints: _Hints, before_batch: bool
+    label: tuple[str, str, int], ancestors: list[str], hints: _Hints, before_batch: bool
 ) -> Collective:
-    """A launch of :class:`parallel.host_reduce.SharedMemoryAllReduce`: one all-reduce of the buffer its
-    ``label`` (:func:`parallel.host_reduce.parse_launch_label`) names."""
-    dtype, numel = label
+    """One collective through shared memory, of the kind and tensor its ``label`` names (op
+    ``shared_memory_<kind>``); its barriers are not counted."""
+    kind, dtype, numel = label
     size = numel * getattr(torch, dtype).itemsize
-    source = _source("all_reduce", ancestors, ((numel,),), dtype, hints)
-    return Collective("shared_memory_all_reduce", "all_reduce", source, size, ((numel,),), dtype, None, before_batch)
+    source = _source(kind, ancestors, ((numel,),), dtype, hints)
+    return Collective(f"shared_memory_{kind}", kind, source, size, ((numel,),), dtype, None, before_batch)
 
 
 def _is_sigterm_candidate(c: Collective) -> bool:
@@ -245,7 +256,9 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
             marker_ns = event.start_time_ns
         elif name == WORKER_LABEL:  # its barriers are the shared-memory all-reduce counted at launch
             continue
-        elif (label := parse_launch_label(name)) or (name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS):
+        elif (label := _shared_memory_label(name)) or (
+            name.startswith("c10d::") and name.removeprefix("c10d::") in _OPS
+        ):
             found.append((event.start_time_ns, event, ancestors, label))
             continue
         stack.extend((child, [*ancestors, name]) for child in reversed(event.children))

@@ -55,7 +55,7 @@ from torch import nn
 from parallel.buckets import Bucket
 from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
-from parallel.host_reduce import open_shared_memory_all_reduce
+from parallel.host_reduce import SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.reducer import GradReducer
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradSyncConfig
 
@@ -152,6 +152,12 @@ class SyncedDataParallel(nn.Module):
     def grad_transport(self) -> str:
         """How the buckets are summed here: ``"shared_memory"`` or ``"process_group"`` (``"auto"`` resolved)."""
         return "process_group" if self._host is None else "shared_memory"
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce | None:
+        """The shared-memory transport the buckets are summed with (``None``: the process group's all-reduce);
+        :mod:`parallel.host_exchange` sends SyncBatchNorm's statistics through it too."""
+        return self._host
 
     @property
     def rank_status(self) -> tuple[int, ...] | None:

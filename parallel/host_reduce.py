@@ -171,7 +171,9 @@ class SharedMemoryAllReduce:
         )
         self._worker.start()
         self._stop = weakref.finalize(self, self._jobs.put, None)
-        self._barrier_kind, self._barrier = self._open_barrier([identity for _, identity in every], timeout)
+        self._peers = [identity for _, identity in every]
+        self._timeout = timeout
+        self._barrier_kind, self._barrier = self._open_barrier(self._peers, timeout)
         log.debug(
             "SharedMemoryAllReduce: %d ranks on this host, files %s-*, %s barriers",
             self._world_size,
@@ -199,6 +201,16 @@ class SharedMemoryAllReduce:
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def peers(self) -> list[ProcessIdentity]:
+        """Every rank's process, by rank (for liveness checks of barriers of one's own)."""
+        return list(self._peers)
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a barrier waits for a peer that is alive but silent (``None``: torch's default)."""
+        return self._timeout
 
     @property
     def world_size(self) -> int:

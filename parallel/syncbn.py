@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from parallel.syncbn_function import sync_batch_norm
+from parallel.syncbn_function import StatsExchange, sync_batch_norm
 from parallel.syncbn_kernels import COMPILED_KERNELS
 
 __all__ = ["SyncBatchNorm"]
@@ -78,6 +78,8 @@ class SyncBatchNorm(_BatchNorm):
         # object.__setattr__: registered as a submodule it would enter state_dict, parameters()
         # and module traversals twice.
         object.__setattr__(self, "_original_module", None)
+        # Another transport for this layer's two collectives (use_exchange); not state: never pickled.
+        self._exchange: StatsExchange | None = None
 
     @property
     def original_module(self) -> _BatchNorm | None:
@@ -122,7 +124,17 @@ class SyncBatchNorm(_BatchNorm):
         group, world_size = self._sync_group()
         kernels = COMPILED_KERNELS if self.compile_kernel else None
         output = sync_batch_norm(
-            input, self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size, kernels
+            input,
+            self.weight,
+            self.bias,
+            running_mean,
+            running_var,
+            momentum,
+            self.eps,
+            group,
+            world_size,
+            kernels,
+            self._exchange if group is not None else None,
         )
         if running_mean is not None:
             # Counted once the statistics are in, as the running averages are: a forward that fails in
@@ -151,6 +163,28 @@ class SyncBatchNorm(_BatchNorm):
         if self.bias is not None:
             shift = shift + self.bias
         return torch.addcmul(shift.view(shape), input, scale.view(shape)).to(input.dtype)
+
+    def __getstate__(self) -> dict:
+        # A copy or an unpickled layer synchronises through its process group: the exchange maps this process's
+        # shared memory and is attached again by whoever made it (use_exchange).
+        return {**super().__getstate__(), "_exchange": None}
+
+    @staticmethod
+    def use_exchange(module: nn.Module, exchange: StatsExchange | None, process_group: dist.ProcessGroup | None) -> int:
+        """Send the collectives of every :class:`SyncBatchNorm` in ``module`` that synchronises over
+        ``process_group`` (``None``: the world) through ``exchange`` (:mod:`parallel.host_exchange`, the same
+        ranks); ``None`` puts them back on the process group. Returns how many layers it set."""
+        layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm) and m.process_group is process_group]
+        for layer in layers:
+            layer._exchange = exchange
+        return len(layers)
+
+    @staticmethod
+    def largest_statistics(module: nn.Module) -> int:
+        """Bytes of the largest statistics exchange any :class:`SyncBatchNorm` in ``module`` makes: ``2C + 1`` values
+        of float64, the widest accumulation dtype."""
+        channels = [m.num_features for m in module.modules() if isinstance(m, SyncBatchNorm)]
+        return (2 * max(channels, default=0) + 1) * torch.float64.itemsize
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", compile=True" if self.compile_kernel else "")

@@ -43,7 +43,7 @@ Pure torch; no Lightning import.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,10 +52,23 @@ from torch.autograd.function import once_differentiable
 
 from parallel.syncbn_kernels import EAGER_KERNELS, Kernels
 
-__all__ = ["sync_batch_norm"]
+__all__ = ["StatsExchange", "sync_batch_norm"]
 
 # torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class StatsExchange(Protocol):
+    """The two collectives of a group through another transport (:mod:`parallel.host_exchange`)."""
+
+    def fits(self, device: torch.device, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` on ``device`` can go this way (else: the group's collectives)."""
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor``, flat, in rank order."""
+
+    def all_reduce_(self, tensor: Tensor) -> Tensor:
+        """The sum over ranks, in place."""
 
 
 def sync_batch_norm(
@@ -69,6 +82,7 @@ def sync_batch_norm(
     group: dist.ProcessGroup | None,
     world_size: int,
     kernels: Kernels | None = None,
+    exchange: StatsExchange | None = None,
 ) -> Tensor:
     """Batch-normalise ``x`` (N, C, *) with statistics over the batches of every rank in ``group``.
 
@@ -84,13 +98,19 @@ def sync_batch_norm(
         world_size: Size of ``group`` (ignored when ``group`` is ``None``).
         kernels: The x-sized passes (:mod:`parallel.syncbn_kernels`); ``None``, or a set that does
             not handle ``x`` (an empty local batch, a small input), for the eager reference.
+        exchange: With ``group``: the same ranks' collectives through another transport
+            (:class:`parallel.host_exchange.SharedMemoryExchange`); ``None``, or one whose capacity the
+            statistics of ``x`` exceed, for ``group``'s own collectives.
 
     Returns:
         The normalised tensor, in ``x``'s dtype and memory format.
     """
     if kernels is None or not kernels.handles(x):
         kernels = EAGER_KERNELS
-    args = (x, weight, bias, running_mean, running_var, momentum, eps, group, world_size, kernels)
+    stats_bytes = (2 * x.shape[1] + 1) * torch.promote_types(x.dtype, torch.float32).itemsize
+    if exchange is not None and not exchange.fits(x.device, stats_bytes):
+        exchange = None
+    args = (x, weight, bias, running_mean, running_var, momentum, eps, group, world_size, kernels, exchange)
     if not torch.is_autocast_enabled(x.device.type):
         return _SyncBatchNormFunction.apply(*args)
     # Statistics and reductions run in (at least) fp32 whatever the autocast context says;
@@ -101,22 +121,11 @@ def sync_batch_norm(
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        momentum: float,
-        eps: float,
-        group: dist.ProcessGroup | None,
-        world_size: int,
-        kernels: Kernels,
-    ) -> Tensor:
-        # The arguments of sync_batch_norm, which documents them.
+    def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        # The arguments of sync_batch_norm, which documents them (their types too), in its order.
+        x, weight, bias, running_mean, running_var, momentum, eps, group, world_size, kernels, exchange = args
         local_count = x.numel() // x.shape[1]
-        state, approx_mean, moments = _batch_moments(x, kernels, local_count, group, world_size)
+        state, approx_mean, moments = _batch_moments(x, kernels, local_count, group, world_size, exchange)
         has_values = _check_global_count(moments.count, local_count, x.shape)
         if running_mean is not None and running_var is not None and has_values:
             _update_running_stats(running_mean, running_var, moments, momentum)
@@ -124,7 +133,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         scale = invstd if weight is None else invstd * weight
         # Save the input itself (alive anyway for the caller) and C-sized vectors, never x_hat.
         ctx.save_for_backward(x, moments.mean, invstd, scale)
-        ctx.group, ctx.inv_count, ctx.kernels = group, moments.inv_count, kernels
+        ctx.group, ctx.exchange, ctx.inv_count, ctx.kernels = group, exchange, moments.inv_count, kernels
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # y = (x - mu) * scale + beta = (x - m0) * scale + (beta - (mu - m0) * scale): x - m0 is
@@ -147,7 +156,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_bias = sum_dy if ctx.needs_input_grad[2] else None
         if ctx.group is not None:
             sums = torch.cat([sum_dy, sum_dy_xmu])
-            dist.all_reduce(sums, group=ctx.group)
+            if ctx.exchange is None:
+                dist.all_reduce(sums, group=ctx.group)
+            else:
+                ctx.exchange.all_reduce_(sums)
             sum_dy, sum_dy_xmu = sums.view(2, -1).unbind()
         grad_input = None
         if ctx.needs_input_grad[0]:
@@ -162,7 +174,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 class _Moments(NamedTuple):
@@ -182,6 +194,7 @@ def _batch_moments(
     local_count: int,
     group: dist.ProcessGroup | None,
     world_size: int,
+    exchange: StatsExchange | None,
 ) -> tuple[Tensor, Tensor, _Moments]:
     """The kernels' state after their first pass, the rounded local mean ``m0`` and the batch's
     moments (merged over ``group`` with ONE all_gather when there is one)."""
@@ -190,7 +203,7 @@ def _batch_moments(
     if group is None:
         mean = torch.add(approx_mean, sum_buf, alpha=inv_local)
         return state, approx_mean, _Moments(local_count, inv_local, mean, m2.mul_(inv_local), sum_buf, inv_local)
-    count, mean, offset, m2 = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size)
+    count, mean, offset, m2 = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size, exchange)
     inv_count = count.clamp(min=1).reciprocal_()
     return state, approx_mean, _Moments(count, inv_count, mean, m2.mul_(inv_count), offset, 1.0)
 
@@ -217,16 +230,20 @@ def _gather_moments(
     local_count: int,
     group: dist.ProcessGroup,
     world_size: int,
+    exchange: StatsExchange | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather."""
+    """``(count, mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather (``exchange``'s, if
+    given)."""
     num_channels = approx_mean.numel()
     stats = torch.empty(2 * num_channels + 1, dtype=approx_mean.dtype, device=approx_mean.device)
     stats[0] = local_count
     torch.add(approx_mean, sum_buf, alpha=1.0 / max(local_count, 1), out=stats[1 : num_channels + 1])
     stats[num_channels + 1 :] = m2
-    # Flat output: gloo accepts only the concatenated form, not a (world_size, K) stack.
-    gathered = stats.new_empty(world_size * stats.numel())
-    _all_gather_single(gathered, stats, group=group)
+    if exchange is not None:
+        gathered = exchange.all_gather(stats)
+    else:  # flat output: gloo accepts only the concatenated form, not a (world_size, K) stack
+        gathered = stats.new_empty(world_size * stats.numel())
+        _all_gather_single(gathered, stats, group=group)
     count, reference, mean_shift, m2 = _merge_moments(gathered.view(world_size, -1))
     # The offset from this rank's m0 as (reference - m0) + shift: the first difference is exact
     # when both are close, so the output does not round the global mean (~|mu| ulp) twice.

@@ -50,14 +50,15 @@ _BUSY_FRAMES = (
     ("torch/_dynamo/", "", "torch.compile"),
     ("torch/_inductor/", "", "torch.compile"),
 )
-# Innermost frames of a main thread that waits for peers: a collective, or a gradient bucket's
-# all-reduce (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future).
+# Innermost frames of a main thread that waits for peers: a collective, a gradient bucket's all-reduce
+# (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future), a shared-memory barrier.
 _WAIT_FRAMES = (
     "torch/distributed/",
     "torch/futures/",
     "parallel/grad_sync.py",
     "parallel/reducer.py",
     "parallel/buckets.py",
+    "parallel/shm_barrier.py",  # SyncBatchNorm's statistics through shared memory (parallel/host_exchange.py)
 )
 
 

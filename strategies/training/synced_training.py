@@ -15,6 +15,7 @@ hook the gradient sync needs; the buckets, hooks and collectives are the pure to
   (it rides in the last bucket); ``post_backward`` calls ``finish()`` (then a no-op, or the join of
   a rank whose backward made no gradient) and hands every rank's status back to
   :class:`strategies.stopping.preemption.Preemption`.
+- **SyncBatchNorm's statistics** go where the buckets go: through shared memory when they are summed there.
 - **Buffers**: rank 0's before each training forward (``broadcast_buffers``, as torch DDP), and
   once more before validation and at the end of fit, points every rank reaches.
 """
@@ -29,12 +30,16 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 from typing_extensions import override
 
 from parallel.grad_sync import SyncedDataParallel
+from parallel.host_exchange import open_shared_memory_exchange
+from parallel.syncbn import SyncBatchNorm
 from strategies.options import CustomDDPOptions
 from strategies.stopping import Preemption
+from strategies.training.layer_sync import CustomSyncBatchNorm
 
 __all__ = ["SyncedTraining"]
 
@@ -49,6 +54,7 @@ class SyncedTraining:
     _timeout: timedelta | None  # DDPStrategy's collective timeout
     model: Any  # the strategy's (Lightning's) wrapped module
     lightning_module: Any
+    _layer_sync: Any  # the strategy's LayerSync plugin, applied before configure_ddp (DDPStrategy.setup)
 
     @override
     def _setup_model(self, model: Module) -> SyncedDataParallel:
@@ -64,6 +70,21 @@ class SyncedTraining:
     def configure_ddp(self) -> None:
         self.model = self._setup_model(self.model)
         log.debug("%s: module wrapped in SyncedDataParallel (%s)", self.__class__.__name__, self._options.grad_sync)
+        self._exchange_statistics_as_the_buckets()
+
+    def _exchange_statistics_as_the_buckets(self) -> None:
+        """SyncBatchNorm's two collectives per layer go where the gradient buckets go: through shared memory when
+        they are summed there (:mod:`parallel.host_exchange`, slots reserved now for the largest layer), else
+        through the process group. Collective: every rank converted the same layers."""
+        plugin, capacity = self._layer_sync, SyncBatchNorm.largest_statistics(self.model)
+        if not isinstance(plugin, CustomSyncBatchNorm) or capacity == 0:
+            return
+        group = plugin.process_group
+        members = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        exchange = open_shared_memory_exchange(self.model.shared_memory, members, capacity)
+        if exchange is not None:
+            layers = SyncBatchNorm.use_exchange(self.model, exchange, group)
+            log.info("SyncBatchNorm statistics of %d layer(s) go through shared memory", layers)
 
     @contextmanager
     @override
