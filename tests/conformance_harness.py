@@ -1,14 +1,18 @@
-"""What ``tests/test_conformance_fit.py`` and ``test_conformance_eval.py`` share: the strategies as each test
-builds them (fork + gloo, 2 processes), trainers, and the comparisons of weights and metrics."""
+"""What the tests that run Lightning share: the strategies as each test builds them (fork + gloo, 2 processes),
+the quiet CPU trainer (2 ranks, or one process) every such test starts from, the comparisons of weights and
+metrics (``tests/test_conformance_fit.py``, ``test_conformance_eval.py`` and the custom_ddp, resume, stop and
+collective-count tests), and a stand-in for rank 0's trainer in a fit (LastCheckpoint's tests)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conformance_data import seeded_random_dataset
+from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
@@ -26,6 +30,8 @@ def ddp_strategy(**kwargs) -> DDPStrategy:
 
 
 def make_trainer(strategy="auto", devices: int = WORLD_SIZE, **kwargs) -> pl.Trainer:
+    """A CPU trainer for one epoch without logger, checkpoints, progress bar or model summary; ``kwargs`` override
+    or add to these (a test with a ``ModelCheckpoint`` callback passes ``enable_checkpointing=True``)."""
     options = dict(
         accelerator="cpu",
         devices=devices,
@@ -41,6 +47,18 @@ def make_trainer(strategy="auto", devices: int = WORLD_SIZE, **kwargs) -> pl.Tra
 
 def one_process_trainer(**kwargs) -> pl.Trainer:
     return make_trainer("auto", devices=1, **kwargs)
+
+
+def rank_0_fitting(global_step: int, current_epoch: int, progress: _BatchProgress) -> SimpleNamespace:
+    """A stand-in for rank 0's trainer in a fit, with what LastCheckpoint reads: the step, the epoch and the batch
+    counters (``progress``) where Lightning keeps them."""
+    return SimpleNamespace(
+        is_global_zero=True,
+        global_rank=0,
+        global_step=global_step,
+        current_epoch=current_epoch,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
 
 
 def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -11,8 +11,9 @@ Rank 0 of the launching process writes the fitted weights and the validate/test 
 ``<out>.predict<rank>.json``, and rank 0 whether the ranks' weights share memory to
 ``<out>.shared.json``. With ``--check-pickle`` every rank pickles its strategy after setup
 (Lightning's own ``ddp`` with popen does not pickle there: its launcher holds the children's locks).
-With ``--release-group`` each stage's workers destroy their process group at teardown, as
-``custom_ddp``'s launcher does (for Lightning's ``ddp`` started with spawn: see :class:`ReleaseGroup`).
+``--no-evaluate`` leaves out validate and test. With ``--release-group`` each stage's workers destroy their
+process group at teardown, as ``custom_ddp``'s launcher does (for Lightning's ``ddp`` started with spawn: see
+:class:`ReleaseGroup`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `strategies`
+from conformance_harness import make_trainer  # noqa: E402  (tests/, this script's folder, is on sys.path)
+
 from strategies.custom_ddp import CustomDDPStrategy  # noqa: E402  (registers custom_ddp*)
 
 NUM_SAMPLES = 64  # divisible by 2 ranks x batch 4: ddp's DistributedSampler pads nothing
@@ -148,6 +151,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--check-pickle", action="store_true", help="every rank pickles its strategy after setup")
     parser.add_argument("--release-group", action="store_true", help="destroy the process group at each stage's end")
+    parser.add_argument("--evaluate", action=argparse.BooleanOptionalAction, default=True, help="validate and test")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = LoggingBoringModel()
@@ -157,28 +161,20 @@ def main() -> None:
         *([StrategyPickles()] if args.check_pickle else []),
         *([ReleaseGroup()] if args.release_group else []),
     ]
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=_strategy(args.strategy, args.start_method),
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
+    strategy = _strategy(args.strategy, args.start_method)
+    trainer = make_trainer(strategy, max_epochs=2, num_sanity_val_steps=0, callbacks=callbacks)
     trainer.fit(model)
-    validated = trainer.validate(model, verbose=False)
-    tested = trainer.test(model, verbose=False)
+    evaluated = (
+        {"validate": trainer.validate(model, verbose=False), "test": trainer.test(model, verbose=False)}
+        if args.evaluate
+        else {}
+    )
     trainer.predict(model, return_predictions=False)
     if trainer.global_rank == 0:
         result = {
             "strategy": type(trainer.strategy).__name__,
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],
-            "validate": validated,
-            "test": tested,
+            **evaluated,
         }
         Path(args.out).write_text(json.dumps(result))
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from conformance_harness import make_trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -168,17 +169,13 @@ class ToyClassifier(LightningModule):
 def _fit(tmp_path: Path, strategy, devices: int, epochs: int = 2) -> dict:
     monitor = BenchmarkMonitor(warmup_steps=1, config={"label": "toy"})
     logger = TensorBoardLogger(save_dir=tmp_path, name="runs", version="toy")
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
+        devices,
         max_epochs=epochs,
         accumulate_grad_batches=2,
         logger=logger,
         callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(ToyClassifier())

@@ -12,6 +12,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+from conformance_harness import make_trainer
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -34,18 +35,14 @@ class CountedSaves(ModelCheckpoint):
 
 @pytest.mark.distributed
 def test_only_rank_0_calls_torch_save(tmp_path: Path) -> None:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=CustomDDPStrategy(start_method="fork"),
+    trainer = make_trainer(
+        CustomDDPStrategy(start_method="fork"),
         max_epochs=EPOCHS,
         limit_train_batches=2,
         limit_val_batches=1,
+        enable_checkpointing=True,
         default_root_dir=tmp_path,
         callbacks=[CountedSaves(dirpath=tmp_path / "ckpts", save_top_k=-1)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(BoringModel())  # a failed count raises in that worker and fails the fit
     assert len(list((tmp_path / "ckpts").glob("*.ckpt"))) == EPOCHS

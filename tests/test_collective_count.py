@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conformance_harness import WORLD_SIZE, custom_strategy, make_trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -25,11 +25,10 @@ from callbacks import CollectiveCounter
 from measure.collective_count import count_collectives
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
-from strategies.custom_ddp import CustomDDPStrategy
 
 pytestmark = pytest.mark.distributed
 
-WORLD_SIZE, BATCH, SAMPLES, ACCUMULATE = 2, 4, 64, 4  # 8 micro-batches per rank: 2 optimizer steps
+BATCH, SAMPLES, ACCUMULATE = 4, 64, 4  # 8 micro-batches per rank (WORLD_SIZE 2): 2 optimizer steps
 
 
 def _net(batchnorm: bool) -> nn.Sequential:
@@ -75,15 +74,8 @@ class _RecordBuckets(pl.Callback):
 
 
 def _fit(tmp_path, strategy, batchnorm: bool, *callbacks) -> list[tuple[list[dict], list[int]]]:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = make_trainer(
+        strategy,
         use_distributed_sampler=False,
         accumulate_grad_batches=ACCUMULATE,
         callbacks=[CollectiveCounter(tmp_path), _RecordBuckets(tmp_path), *callbacks],
@@ -106,7 +98,7 @@ def _stepping(batch_idx: int) -> bool:
 def test_custom_ddp_counts_per_micro_batch_by_source(tmp_path, sync_batchnorm: bool) -> None:
     # SyncBN: every buffer is a SyncBN statistic, so broadcast_buffers (on by default) sends nothing.
     # Local BN: ONE broadcast of every running stat before each training forward, micro-batches included.
-    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), sync_batchnorm=sync_batchnorm)
+    strategy = custom_strategy(sync_batchnorm=sync_batchnorm)
     for windows, bucket_bytes in _fit(tmp_path, strategy, batchnorm=True):
         buckets = len(bucket_bytes)
         assert buckets >= 1
@@ -132,6 +124,9 @@ def test_custom_ddp_counts_per_micro_batch_by_source(tmp_path, sync_batchnorm: b
                 assert w["bytes"]["grad_buckets"] == sum(bucket_bytes)
             kinds = Counter((c["source"], c["kind"]) for c in w["collectives"])
             assert kinds[("syncbn_forward", "all_gather")] == kinds[("syncbn_backward", "all_reduce")] == 2
+            # One host, buckets in shared memory: the statistics go there too, none through gloo.
+            syncbn_ops = {c["op"] for c in w["collectives"] if c["source"].startswith("syncbn")}
+            assert syncbn_ops == {"shared_memory_all_gather", "shared_memory_all_reduce"}
             assert kinds[("lightning_sigterm", "broadcast")] == 1
             assert all(c["before_batch"] == (c["source"] == "lightning_sigterm") for c in w["collectives"])
         assert all(w["counts"] == {} for w in windows if w["batch_idx"] is None)

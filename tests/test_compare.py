@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
+from entry_points import quick_benchmark_record
 
 from benchmarks.compare import analyse, headline, parse_config
 from benchmarks.compare_runs import MATCHED_THREADS, VARIANTS, fit_flags, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _VARIANTS = {k: asdict(v) for k, v in VARIANTS.items()}
 
 
@@ -128,15 +124,7 @@ def test_compare_arguments(capsys):
 @pytest.mark.distributed
 def test_compare_end_to_end_quick(tmp_path):
     out = tmp_path / "compare"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", "--out", str(out), "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    record = json.loads((out / "results.json").read_text())
+    record = quick_benchmark_record("compare", out, timeout=1200)
     assert record["schema"] == SCHEMA and "comparable" in record["quietness"]
     for net in ("template", "resnet18"):
         runs = record["timing"][net]["2"]

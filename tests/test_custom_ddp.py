@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conformance_harness import WORLD_SIZE, assert_states_close, custom_strategy, make_trainer, state_of
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
@@ -25,7 +25,6 @@ import strategies  # noqa: F401  (registers "custom_ddp")
 from parallel.host_reduce import parse_launch_label
 from strategies.custom_ddp import CustomDDPStrategy
 
-WORLD_SIZE = 2
 pytestmark = pytest.mark.distributed
 
 
@@ -69,34 +68,13 @@ class ToyModule(pl.LightningModule):
         return DataLoader(Subset(self.data, range(rank, len(self.data), world_size)), batch_size=self.batch_size)
 
 
-def _trainer(strategy, devices: int = WORLD_SIZE, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    return pl.Trainer(**{**options, **kwargs})
+def _trainer(strategy, **kwargs) -> pl.Trainer:
+    return make_trainer(strategy, use_distributed_sampler=False, **kwargs)  # ToyModule shards its own data
 
 
-def _fit(module: ToyModule, strategy, devices: int = WORLD_SIZE, **kwargs) -> dict[str, torch.Tensor]:
-    _trainer(strategy, devices, **kwargs).fit(module)
-    return {name: value.detach().clone() for name, value in module.state_dict().items()}
-
-
-def _assert_states_close(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-def _custom(**kwargs) -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **kwargs)
+def _fit(module: ToyModule, strategy, **kwargs) -> dict[str, torch.Tensor]:
+    _trainer(strategy, **kwargs).fit(module)
+    return state_of(module)
 
 
 @pytest.mark.parametrize(
@@ -107,8 +85,8 @@ def test_matches_lightning_ddp_without_batchnorm(accumulate: int, zero1: bool, o
     expected = _fit(
         ToyModule(optimizer=optimizer), DDPStrategy(start_method="fork"), accumulate_grad_batches=accumulate
     )
-    actual = _fit(ToyModule(optimizer=optimizer), _custom(zero1=zero1), accumulate_grad_batches=accumulate)
-    _assert_states_close(actual, expected)
+    actual = _fit(ToyModule(optimizer=optimizer), custom_strategy(zero1=zero1), accumulate_grad_batches=accumulate)
+    assert_states_close(actual, expected)
     assert not torch.equal(actual["net.0.weight"], initial["net.0.weight"])  # it did train
 
 
@@ -117,8 +95,8 @@ def test_bf16_mixed_with_clipping_matches_lightning_ddp() -> None:
     # must finish inside the closure, before the precision plugin clips.
     options = dict(precision="bf16-mixed", gradient_clip_val=0.05, accumulate_grad_batches=2)
     expected = _fit(ToyModule(), DDPStrategy(start_method="fork"), **options)
-    actual = _fit(ToyModule(), _custom(), **options)
-    _assert_states_close(actual, expected)
+    actual = _fit(ToyModule(), custom_strategy(), **options)
+    assert_states_close(actual, expected)
 
 
 @pytest.mark.gpu
@@ -126,15 +104,15 @@ def test_bf16_mixed_with_clipping_matches_lightning_ddp() -> None:
 def test_fp16_mixed_on_two_gpus_matches_lightning_ddp() -> None:
     options = dict(accelerator="gpu", precision="16-mixed", gradient_clip_val=0.05, accumulate_grad_batches=2)
     expected = _fit(ToyModule(), DDPStrategy(start_method="fork"), **options)
-    actual = _fit(ToyModule(batchnorm=False), _custom(), **options)  # NCCL by default on CUDA
-    _assert_states_close(actual, expected)
+    actual = _fit(ToyModule(batchnorm=False), custom_strategy(), **options)  # NCCL by default on CUDA
+    assert_states_close(actual, expected)
 
 
 def test_syncbn_matches_one_process_on_global_batches() -> None:
     # Each rank: batches of 4, two micro-batches per step; reference: batches of 8, same steps.
-    actual = _fit(ToyModule(batchnorm=True), _custom(), accumulate_grad_batches=2)
+    actual = _fit(ToyModule(batchnorm=True), custom_strategy(), accumulate_grad_batches=2)
     expected = _fit(ToyModule(batchnorm=True, batch_size=8), "auto", devices=1, accumulate_grad_batches=2)
-    _assert_states_close(actual, expected)  # includes BatchNorm running stats
+    assert_states_close(actual, expected)  # includes BatchNorm running stats
 
 
 class _CountGradCollectives(Callback):
@@ -165,7 +143,7 @@ class _CountGradCollectives(Callback):
 
 def test_accumulation_sends_one_bucket_pass_per_optimizer_step(tmp_path) -> None:
     module = ToyModule(num_samples=64)  # 8 micro-batches per rank = 2 optimizer steps
-    _fit(module, _custom(), accumulate_grad_batches=4, callbacks=[_CountGradCollectives(tmp_path)])
+    _fit(module, custom_strategy(), accumulate_grad_batches=4, callbacks=[_CountGradCollectives(tmp_path)])
     for rank in range(WORLD_SIZE):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         buckets = record["buckets"]
@@ -179,9 +157,10 @@ def test_resume_from_mid_training_checkpoint_matches_uninterrupted_run(tmp_path,
     def run(ckpt_path=None, dirpath=None):
         callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1)] if dirpath else []
         module = ToyModule(num_samples=24)  # 3 optimizer steps per epoch
-        trainer = _trainer(_custom(zero1=zero1), max_epochs=2, enable_checkpointing=bool(dirpath), callbacks=callbacks)
+        strategy = custom_strategy(zero1=zero1)
+        trainer = _trainer(strategy, max_epochs=2, enable_checkpointing=bool(dirpath), callbacks=callbacks)
         trainer.fit(module, ckpt_path=ckpt_path)
-        return {name: value.detach().clone() for name, value in module.state_dict().items()}
+        return state_of(module)
 
     uninterrupted = run(dirpath=tmp_path)
     first_epoch = next(tmp_path.glob("epoch=0-*.ckpt"))
@@ -189,7 +168,7 @@ def test_resume_from_mid_training_checkpoint_matches_uninterrupted_run(tmp_path,
     saved = torch.load(first_epoch, weights_only=False)["optimizer_states"][0]["state"]
     assert sorted(saved) == [0, 1, 2, 3] and all("momentum_buffer" in s for s in saved.values())
     resumed = run(ckpt_path=first_epoch)
-    _assert_states_close(resumed, uninterrupted)
+    assert_states_close(resumed, uninterrupted)
 
 
 class _RecordOptimizer(Callback):
@@ -203,7 +182,7 @@ class _RecordOptimizer(Callback):
 
 
 def test_zero1_shards_the_optimizer_state(tmp_path) -> None:
-    _fit(ToyModule(), _custom(zero1=True), max_steps=2, callbacks=[_RecordOptimizer(tmp_path)])
+    _fit(ToyModule(), custom_strategy(zero1=True), max_steps=2, callbacks=[_RecordOptimizer(tmp_path)])
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     assert all(r["type"] == "ShardedOptimizer" for r in records)
     local = [r["local_states"] for r in records]
@@ -213,7 +192,7 @@ def test_zero1_shards_the_optimizer_state(tmp_path) -> None:
 def test_an_exception_on_one_rank_ends_the_run_on_all_ranks(tmp_path) -> None:
     start = time.monotonic()
     with pytest.raises(Exception, match="rank 1 failed on purpose"):
-        _fit(ToyModule(fail_at=(1, 2)), _custom(), default_root_dir=tmp_path)
+        _fit(ToyModule(fail_at=(1, 2)), custom_strategy(), default_root_dir=tmp_path)
     assert time.monotonic() - start < 60
     # Rank 0 saved the last completed optimizer step (batch 2 never finished on rank 1) where the
     # Trainer keeps its files: here, not in the directory pytest runs in.

@@ -7,30 +7,25 @@ resolves there proves it is registered at import of ``strategies``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Trainer
+from conformance_harness import one_process_trainer
+from entry_points import train_py_on_two_processes
 
 from lit_cifar.module import LitClassifier
 from lit_cifar.transforms import normalize
 from strategies import CustomDDPStrategy
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow  # the same 2-process popen fit as the quickstart test (tests/test_train_cli.py), the registered
 # name re-parsed by the child as in the predict test below, and custom_ddp_cpu.yaml parsed by test_train_cli_options
 def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "train.py",
+    train_py_on_two_processes(
         "fit",
         "--config",
         "configs/custom_ddp_cpu.yaml",
@@ -47,11 +42,7 @@ def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
         "--data.synthetic_test_size=64",
         "--data.batch_size=16",
         "--data.eval_batch_size=32",
-    ]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # the popen launcher started rank 1
+    )
     run_dir = tmp_path / "lightning_logs" / "version_0"
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["strategy"] == "custom_ddp"
     assert list((run_dir / "checkpoints").glob("*.ckpt"))
@@ -67,22 +58,11 @@ def test_predict_on_two_processes_by_registered_name_with_options(
     datamodule = tiny_datamodule()
     model = LitClassifier(net="template")
     checkpoint = tmp_path / "model.ckpt"
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_process_trainer(limit_train_batches=1, limit_val_batches=0)
     trainer.fit(model, datamodule=datamodule)
     trainer.save_checkpoint(checkpoint)
     per_rank = tmp_path / "parts" / "preds.pt"
-    command = [
-        sys.executable,
-        "train.py",
+    output = train_py_on_two_processes(
         "predict",
         "--config",
         "configs/quickstart.yaml",
@@ -103,11 +83,7 @@ def test_predict_on_two_processes_by_registered_name_with_options(
         "--data.synthetic_test_size=200",
         "--data.val_size=100",
         "--data.eval_batch_size=30",
-    ]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
+    )
     merged_path = tmp_path / "lightning_logs" / "version_0" / "predictions.pt"
     assert f"wrote predictions for 200 samples to {merged_path}" in output
     config = yaml.safe_load((merged_path.parent / "config.yaml").read_text())

@@ -8,13 +8,13 @@ with one all-reduce per evaluation epoch and no hang from the uneven batch count
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conformance_harness import custom_strategy, make_trainer, one_process_trainer
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -23,7 +23,6 @@ from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from parallel.eval_sharding import ShardPlan
-from strategies.custom_ddp import CustomDDPStrategy
 from strategies.evaluation.scatter_eval import _warn_fallback
 
 pytestmark = pytest.mark.distributed
@@ -124,26 +123,8 @@ class _CountEvalCollectives(Callback):
         (self.out_dir / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
-def _trainer(strategy, devices: int = 2, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        max_epochs=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**options, **kwargs})
-
-
-def _custom(**kwargs) -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **kwargs)
-
-
 def _single_process(stage: str, module: EvalModule) -> dict[str, float]:
-    run = _trainer("auto", devices=1).validate if stage == "val" else _trainer("auto", devices=1).test
+    run = one_process_trainer().validate if stage == "val" else one_process_trainer().test
     return run(module, verbose=False)[0]
 
 
@@ -162,7 +143,7 @@ def _assert_each_sample_once(out_dir: Path, stage: str) -> None:
 
 @pytest.mark.parametrize("stage", ["val", "test"])
 def test_uneven_shards_give_the_single_process_metric(tmp_path, stage: str) -> None:
-    trainer = _trainer(_custom(), callbacks=[_CountEvalCollectives(tmp_path)])
+    trainer = make_trainer(custom_strategy(), callbacks=[_CountEvalCollectives(tmp_path)])
     run = trainer.validate if stage == "val" else trainer.test
     actual = run(EvalModule(tmp_path), verbose=False)[0]
     _assert_metrics_equal(actual, _single_process(stage, EvalModule()), stage)
@@ -175,7 +156,7 @@ def test_uneven_shards_give_the_single_process_metric(tmp_path, stage: str) -> N
 
 def test_fit_validation_is_exact_after_sanity_check(tmp_path) -> None:
     module = EvalModule(tmp_path)
-    trainer = _trainer(_custom(), num_sanity_val_steps=2, max_epochs=2)
+    trainer = make_trainer(custom_strategy(), num_sanity_val_steps=2, max_epochs=2)
     trainer.fit(module)  # the parent's module gets rank 0's final weights
     actual = {name: float(value) for name, value in trainer.callback_metrics.items()}
     _assert_each_sample_once(tmp_path, "val")
@@ -185,7 +166,7 @@ def test_fit_validation_is_exact_after_sanity_check(tmp_path) -> None:
 
 def test_without_scatter_lightning_pads_with_duplicates() -> None:
     # The failure mode scatter evaluation removes: DistributedSampler pads 11 samples to 12.
-    actual = _trainer(_custom(scatter_eval=False)).validate(EvalModule(), verbose=False)[0]
+    actual = make_trainer(custom_strategy(scatter_eval=False)).validate(EvalModule(), verbose=False)[0]
     assert actual["val/count"] == NUM_SAMPLES + 1
 
 
@@ -193,7 +174,7 @@ def test_more_ranks_than_samples_falls_back_to_the_padded_layout() -> None:
     # 1 sample, 2 ranks: a rank without a batch would skip the collectives, so both evaluate it.
     module = EvalModule()
     module.val_dataloader = lambda: DataLoader(IndexedDataset(1), batch_size=4)
-    actual = _trainer(_custom()).validate(module, verbose=False)[0]  # warns in the (forked) ranks
+    actual = make_trainer(custom_strategy()).validate(module, verbose=False)[0]  # warns in the (forked) ranks
     assert actual["val/count"] == 2
 
 
@@ -209,13 +190,13 @@ def test_limit_val_batches_runs_on_every_rank(limit) -> None:
     # rank 1 with int(0.5) = 0 batches: that case must fall back, the others stay exact.
     module = EvalModule()
     module.val_dataloader = lambda: DataLoader(IndexedDataset(5), batch_size=2)
-    actual = _trainer(_custom(), limit_val_batches=limit).validate(module, verbose=False)[0]
+    actual = make_trainer(custom_strategy(), limit_val_batches=limit).validate(module, verbose=False)[0]
     assert actual["val/count"] == {0.5: 4, 1: 4, 2: 5}[limit]
 
 
 def test_reloaded_dataloaders_are_rescattered_every_epoch(tmp_path) -> None:
     module = EvalModule(tmp_path)
-    trainer = _trainer(_custom(), max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=1)
+    trainer = make_trainer(custom_strategy(), max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=1)
     trainer.fit(module)
     _assert_each_sample_once(tmp_path, "val")  # the last epoch's loaders: re-scattered, still once each
     actual = {name: float(value) for name, value in trainer.callback_metrics.items()}
@@ -234,5 +215,5 @@ def test_iterable_eval_loader_is_used_as_lightning_makes_it() -> None:
     # yields, and the metrics keep their own sync, so the count is world_size x the samples.
     module = EvalModule()
     module.val_dataloader = lambda: DataLoader(_IterableSamples(), batch_size=4)
-    actual = _trainer(_custom()).validate(module, verbose=False)[0]
+    actual = make_trainer(custom_strategy()).validate(module, verbose=False)[0]
     assert actual["val/count"] == 2 * NUM_SAMPLES

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import warnings
 from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conformance_harness import custom_strategy, make_trainer, one_process_trainer
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
@@ -40,24 +40,6 @@ pytestmark = pytest.mark.distributed
 NOT_DATASET_DEFINED = {"local_acc", "mean_state", "running_mean"}
 
 
-def _trainer(strategy="auto", devices: int = 2, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        max_epochs=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**options, **kwargs})
-
-
-def _custom() -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
-
-
 def _validate(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
     return {key: float(value) for key, value in trainer.validate(module, verbose=False)[0].items()}
 
@@ -65,13 +47,13 @@ def _validate(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, floa
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> tuple[dict[str, float], dict]:
     out = tmp_path_factory.mktemp("one")
-    metrics = _validate(_trainer(devices=1, callbacks=[CallbackAUROC()]), PatternModule(out))
+    metrics = _validate(one_process_trainer(callbacks=[CallbackAUROC()]), PatternModule(out))
     return metrics, json.loads((out / "gather.json").read_text())
 
 
 def test_every_metric_pattern_equals_one_process(tmp_path, one_process) -> None:
     expected, expected_gather = one_process
-    actual = _validate(_trainer(_custom(), callbacks=[CallbackAUROC()]), PatternModule(tmp_path))
+    actual = _validate(make_trainer(custom_strategy(), callbacks=[CallbackAUROC()]), PatternModule(tmp_path))
     assert actual.keys() == expected.keys()
     for key in expected.keys() - NOT_DATASET_DEFINED:
         assert actual[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6), key
@@ -135,7 +117,7 @@ class _CountEvalCollectives(Callback):
 
 
 def test_a_loader_with_sum_max_and_cat_metrics_costs_four_collectives_per_epoch(tmp_path) -> None:
-    _trainer(_custom(), callbacks=[_CountEvalCollectives()]).validate(_SumMaxCat(tmp_path), verbose=False)
+    make_trainer(custom_strategy(), callbacks=[_CountEvalCollectives()]).validate(_SumMaxCat(tmp_path), verbose=False)
     for rank in range(2):
         counts = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
         # sum states: 1 all_reduce; max: 1 all_reduce; cat: 1 layout exchange + 1 padded gather
@@ -143,7 +125,7 @@ def test_a_loader_with_sum_max_and_cat_metrics_costs_four_collectives_per_epoch(
 
 
 def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under_ddp() -> None:
-    trainer = _trainer(_custom())
+    trainer = make_trainer(custom_strategy())
     assert _validate(trainer, IteratorStepsModule()) == {"count": float(NUM_SAMPLES)}
     assert trainer.test(IteratorStepsModule(), [0, 1, 2], verbose=False) == [{"count": 6.0}]  # each rank: all 3, as ddp
     loader = [0, 1, 2]
@@ -152,7 +134,7 @@ def test_dataloader_iter_steps_are_exact_and_non_dataloader_loaders_run_as_under
 
 
 def test_a_second_trainer_call_inside_fit_fails_with_one_clear_message_on_every_rank() -> None:
-    trainer = _trainer(_custom(), callbacks=[ValidateInsideFit()], num_sanity_val_steps=0)
+    trainer = make_trainer(custom_strategy(), callbacks=[ValidateInsideFit()], num_sanity_val_steps=0)
     with pytest.raises(Exception, match=r"trainer.validate\(\) was called while trainer.fit\(\) is running"):
         trainer.fit(IteratorStepsModule())
 
@@ -192,7 +174,7 @@ class _FrozenAUROC(pl.LightningModule):
 
 def test_mid_epoch_validation_with_early_stopping_on_a_cat_state_metric_stops_like_one_process(tmp_path) -> None:
     def run(strategy, devices: int) -> tuple[dict, list]:
-        trainer = _trainer(
+        trainer = make_trainer(
             strategy,
             devices=devices,
             max_epochs=5,
@@ -204,7 +186,7 @@ def test_mid_epoch_validation_with_early_stopping_on_a_cat_state_metric_stops_li
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
         return metrics, json.loads((tmp_path / "stopped.json").read_text())
 
-    (expected, one_stop), (actual, custom_stop) = run("auto", 1), run(_custom(), 2)
+    (expected, one_stop), (actual, custom_stop) = run("auto", 1), run(custom_strategy(), 2)
     assert actual == pytest.approx(expected, rel=1e-6) and set(actual) == {"val_auroc"}
     # the 3rd check: mid-epoch of epoch 1 (8 batches per epoch in one process, 4 per rank on two)
     assert one_stop == [2, 12] and custom_stop == [2, 6]  # stopped in epoch 1, which then ends

@@ -17,14 +17,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from conformance_harness import custom_strategy, ddp_strategy, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from strategies.custom_ddp import CustomDDPStrategy
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
+_OPTIONS = {"max_epochs": EPOCHS, "accumulate_grad_batches": ACCUMULATE}  # every fit's, on 2 ranks or one
 
 
 class Indexed(Dataset):
@@ -81,27 +82,9 @@ def _fit(
         {"filename": "{epoch}", "every_n_epochs": 1} if by_epoch else {"filename": "{step}", "every_n_train_steps": 2}
     )
     checkpoints = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, **every)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=EPOCHS,
-        logger=False,
-        accumulate_grad_batches=ACCUMULATE,
-        callbacks=[checkpoints],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(strategy, enable_checkpointing=True, callbacks=[checkpoints], **_OPTIONS)
     trainer.fit((module or Recorder)(out), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
-
-
-def _custom() -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
-
-
-def _ddp() -> DDPStrategy:
-    return DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
 
 
 def _assert_trained_the_rest_bitwise(
@@ -116,10 +99,21 @@ def _assert_trained_the_rest_bitwise(
             assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
 
 
+def _assert_resumed_from_epoch_0s_end_trains_epoch_1s_order(tmp_path: Path, module: type[Recorder]) -> None:
+    """A fit checkpointing at each epoch's end; one resumed from epoch 0's end trains the rest bitwise, and
+    ``ddp`` resumed from it trains epoch 0's order again (what the first check would catch)."""
+    truth = _fit(custom_strategy(), tmp_path / "full", module=module, by_epoch=True)
+    checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
+    resumed = _fit(custom_strategy(), tmp_path / "resumed", checkpoint, module, by_epoch=True)
+    ddp = _fit(ddp_strategy(), tmp_path / "ddp", checkpoint, module, by_epoch=True)
+    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
+    assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    return out, _fit(_custom(), out)
+    return out, _fit(custom_strategy(), out)
 
 
 @pytest.mark.distributed
@@ -128,7 +122,7 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_a
     tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int
 ) -> None:
     out, truth = uninterrupted
-    resumed = _fit(_custom(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
+    resumed = _fit(custom_strategy(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
     _assert_trained_the_rest_bitwise(resumed, truth, {2: (0, 4), 4: (1, 2)}[step])  # after the checkpoint
 
 
@@ -164,8 +158,8 @@ def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise
 ) -> None:
     """With workers, the loop's iterator draws indices when it is made: before the restore (OneCycle)
     or before ``set_epoch`` (every resumed fit). The resumed epoch's samples, in its order, each once."""
-    truth = _fit(_custom(), tmp_path / "full", module=module)
-    resumed = _fit(_custom(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module)
+    truth = _fit(custom_strategy(), tmp_path / "full", module=module)
+    resumed = _fit(custom_strategy(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module)
     _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
 
 
@@ -173,12 +167,7 @@ def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise
 def test_a_fit_resumed_from_an_epochs_end_with_workers_trains_the_next_epochs_order(tmp_path: Path) -> None:
     """Lightning makes the resumed fit's iterator before it counts the finished epoch done; workers draw its
     indices at once, in the finished epoch's order (``ddp`` trains that order again, checked too)."""
-    truth = _fit(_custom(), tmp_path / "full", module=Workers, by_epoch=True)
-    checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
-    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, Workers, by_epoch=True)
-    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, Workers, by_epoch=True)
-    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
-    assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
+    _assert_resumed_from_epoch_0s_end_trains_epoch_1s_order(tmp_path, Workers)
 
 
 @pytest.mark.distributed
@@ -187,7 +176,7 @@ def test_ddp_starts_the_epoch_over_on_the_same_resume(
 ) -> None:
     """Lightning's ddp trains the epoch's first batches again: what the test above would catch."""
     out, truth = uninterrupted
-    resumed = _fit(_ddp(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
+    resumed = _fit(ddp_strategy(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
     assert resumed[0]["seen"][(1, 2)] == truth[0]["seen"][(1, 0)]  # batch index 2 got the epoch's first batch
     assert not torch.equal(resumed[0]["state"]["net.weight"], truth[0]["state"]["net.weight"])
 
@@ -210,17 +199,7 @@ class OwnSampler(Recorder):
 def _fit_here(module: Recorder, ckpt_path: Path | None = None) -> dict[str, Any]:
     """One process with the popen launcher: the fit runs in this process, where pytest sees its warnings."""
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=CustomDDPStrategy(timeout=timedelta(seconds=60)),
-        max_epochs=EPOCHS,
-        logger=False,
-        accumulate_grad_batches=ACCUMULATE,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = make_trainer(CustomDDPStrategy(timeout=timedelta(seconds=60)), devices=1, **_OPTIONS)
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
     finally:  # the group lives in this process: forked ranks of later tests must not inherit it
@@ -286,10 +265,10 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
     """Lightning loads a resumable loader's position from the checkpoint: it is neither rebuilt nor warned
     about (it does not start the epoch over). Lightning makes its iterator before it sets the sampler's epoch,
     and a worker draws the indices at once: the restored epoch is set first (``ddp`` trains epoch 0's order)."""
-    truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers)
+    truth = _fit(custom_strategy(), tmp_path / "full", module=ResumableWorkers)
     checkpoint = tmp_path / "full" / "ckpt" / "step=4.ckpt"
-    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers)
-    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, ResumableWorkers)
+    resumed = _fit(custom_strategy(), tmp_path / "resumed", checkpoint, ResumableWorkers)
+    ddp = _fit(ddp_strategy(), tmp_path / "ddp", checkpoint, ResumableWorkers)
     _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
     assert ddp[0]["seen"][(1, 2)] != truth[0]["seen"][(1, 2)]  # what the check above would catch
     (tmp_path / "here").mkdir()
@@ -306,9 +285,4 @@ def test_a_loader_that_keeps_its_position_resumed_from_an_epochs_end_trains_the_
 ) -> None:
     """From an epoch's end the epoch Lightning sets next is one past the restored one (``ddp``'s worker draws
     the finished epoch's order again)."""
-    truth = _fit(_custom(), tmp_path / "full", module=ResumableWorkers, by_epoch=True)
-    checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
-    resumed = _fit(_custom(), tmp_path / "resumed", checkpoint, ResumableWorkers, by_epoch=True)
-    ddp = _fit(_ddp(), tmp_path / "ddp", checkpoint, ResumableWorkers, by_epoch=True)
-    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
-    assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
+    _assert_resumed_from_epoch_0s_end_trains_epoch_1s_order(tmp_path, ResumableWorkers)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conformance_harness import rank_0_fitting
 from jsonargparse import Namespace
 from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.trainer.states import TrainerFn
@@ -88,13 +89,7 @@ def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> Non
     """Buffers and batch counters of the accumulation window's first micro-batch (accumulate 3 here)."""
     module = nn.BatchNorm1d(3)
     progress = _BatchProgress()
-    trainer = SimpleNamespace(
-        is_global_zero=True,
-        global_rank=0,
-        global_step=4,
-        current_epoch=1,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-    )
+    trainer = rank_0_fitting(global_step=4, current_epoch=1, progress=progress)
     last = LastCheckpoint()
     for steps in (False, False, True):  # a whole window: its step done, no window open
         _batch(trainer, last, module, steps)
@@ -127,13 +122,7 @@ def test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step() -> Non
 
 def test_the_last_checkpoint_needs_the_batch_counters_where_lightning_keeps_them() -> None:
     module = nn.BatchNorm1d(3)
-    trainer = SimpleNamespace(
-        is_global_zero=True,
-        global_rank=0,
-        global_step=0,
-        current_epoch=0,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=_BatchProgress())),
-    )
+    trainer = rank_0_fitting(global_step=0, current_epoch=0, progress=_BatchProgress())
     last = LastCheckpoint()
     last.batch_started(trainer, module)
     last._writing = True

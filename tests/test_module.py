@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conformance_harness import make_trainer, one_process_trainer
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -19,17 +20,13 @@ from lit_cifar.module import LitClassifier, _warmup_cosine
 EPOCH_TAGS = {"train/loss_epoch", "train/acc1_epoch", "train/acc5_epoch", "val/loss", "val/acc1", "val/acc5"}
 
 
-def _fit(tmp_path: Path, datamodule, **trainer_kwargs) -> Trainer:
+def _fit(tmp_path: Path, datamodule, strategy="auto", devices: int = 1) -> Trainer:
     model = LitClassifier(net="template", lr=0.05, schedule="cosine", warmup_fraction=0.2)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
+    trainer = make_trainer(
+        strategy,
+        devices,
         log_every_n_steps=1,
         logger=TensorBoardLogger(tmp_path, name="lightning_logs", default_hp_metric=False),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **trainer_kwargs,
     )
     trainer.fit(model, datamodule=datamodule)
     return trainer
@@ -145,14 +142,7 @@ def test_a_resume_with_a_longer_fit_names_the_schedule_it_cannot_continue(
     training says why and what to do; a cosine schedule is rebuilt for the new length: a warning."""
 
     def fit(max_epochs: int, ckpt_path: Path | None = None) -> None:
-        trainer = Trainer(
-            accelerator="cpu",
-            max_epochs=max_epochs,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = one_process_trainer(max_epochs=max_epochs, enable_checkpointing=True, default_root_dir=tmp_path)
         trainer.fit(
             LitClassifier(net="template", lr=0.05, schedule=schedule), datamodule=tiny_datamodule(), ckpt_path=ckpt_path
         )

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from entry_points import quick_benchmark_record
 
 from benchmarks.compare_runs import MATCHED_THREADS
 from benchmarks.harness import SCHEMA
 from benchmarks.paired_fits import _target_verdict, analyse, headline, parse_config
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _timing(ratio: float, pairs: int = 20, seed: int = 0) -> dict:
@@ -85,20 +79,13 @@ def test_paired_fits_arguments(capsys):
         parse_config(["--variants", "single", "ddp_tuned"])
 
 
-@pytest.mark.distributed
+@pytest.mark.slow  # a benchmark's whole path (torchrun, Lightning fits), slow like compare's; its pairing,
+@pytest.mark.distributed  # intervals, verdicts and report are tested above on made-up timings
 def test_paired_fits_end_to_end_quick(tmp_path):
     # Both strategies fit in turn in the same 2 ranks: custom_ddp after ddp and ddp after custom_ddp
     # in one process group, as a script calling fit twice would.
     out = tmp_path / "paired"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.paired_fits", "--out", str(out), "--quick", "--pairs", "2"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    record = json.loads((out / "results.json").read_text())
+    record = quick_benchmark_record("paired_fits", out, "--pairs", "2", timeout=600)
     assert record["schema"] == SCHEMA and record["config"]["pairs"] == 1  # --quick: one pair
     runs = record["timing"]["template"]["2"]
     assert set(runs) == {"custom_ddp_localbn", "ddp_tuned"}

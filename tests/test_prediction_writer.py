@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from conformance_harness import one_process_trainer
+from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import PredictionWriter
@@ -25,17 +26,9 @@ class Doubler(LightningModule):
         return {"double": 2 * x, "first": x[:, 0]} if self.as_dict else 2 * x
 
 
-def _predict(tmp_path: Path, model: LightningModule, writer: PredictionWriter, n: int = 10, **trainer_kwargs):
+def _predict(tmp_path: Path, model: LightningModule, writer: PredictionWriter, n: int = 10):
     data = DataLoader(TensorDataset(torch.arange(n * 3, dtype=torch.float32).view(n, 3)), batch_size=4)
-    trainer = Trainer(
-        accelerator="cpu",
-        logger=False,
-        default_root_dir=tmp_path,
-        callbacks=[writer],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
+    trainer = one_process_trainer(enable_checkpointing=True, default_root_dir=tmp_path, callbacks=[writer])
     trainer.predict(model, data, return_predictions=False)
     return data.dataset.tensors[0]
 

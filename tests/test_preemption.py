@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conformance_harness import WORLD_SIZE, make_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
@@ -28,7 +29,6 @@ from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.preemption import Preemption, stop_checkpoint_path
 from strategies.stopping.stop_signals import SignalRecorder, StopOnSignal, exit_status
 
-WORLD_SIZE = 2
 STEPS_PER_EPOCH = 4  # 32 samples / 2 ranks / batch 4
 
 
@@ -236,14 +236,10 @@ class _SignalSelf(Callback):
 
 def _trainer(tmp_path: Path, *callbacks: Callback, max_epochs: int = 2, zero1: bool = False) -> pl.Trainer:
     strategy = CustomDDPStrategy(start_method="fork", timeout=30, zero1=zero1)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=strategy,
+    return make_trainer(
+        strategy,
         max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
         default_root_dir=tmp_path,
@@ -300,16 +296,7 @@ def test_signal_outside_fit_stops_the_stage_without_a_checkpoint(tmp_path: Path)
 
 def test_preemption_leaves_no_trace_after_the_stage(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=CustomDDPStrategy(),
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = make_trainer(CustomDDPStrategy(), devices=1, enable_checkpointing=True, default_root_dir=tmp_path)
     try:
         trainer.fit(_Net())
     finally:

@@ -10,7 +10,6 @@ mid-epoch). The truth is the uninterrupted fit with the same strategy; a resume 
 from __future__ import annotations
 
 import random
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,12 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from conformance_harness import custom_strategy, ddp_strategy, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from parallel.rng_state import rng_state, set_rng_state
-from strategies.custom_ddp import CustomDDPStrategy
 from strategies.fault_tolerance.watchdog import Watchdog
 from strategies.resume.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 
@@ -105,24 +103,16 @@ def _fit(
         ),
         ModelCheckpoint(dirpath=out / "ckpt", filename="batch_end_{step}", every_n_train_steps=3, save_top_k=-1),
     ]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = make_trainer(
+        strategy,
         max_epochs=EPOCHS,
-        logger=False,
         accumulate_grad_batches=ACCUMULATE,
+        enable_checkpointing=True,
         callbacks=[*checkpoints, *callbacks],
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **trainer_options,
     )
     trainer.fit(module(out, workers, noise), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
-
-
-def _custom() -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
 
 
 def _same(resumed: list[dict], truth: list[dict]) -> bool:
@@ -132,10 +122,10 @@ def _same(resumed: list[dict], truth: list[dict]) -> bool:
 def _assert_resumes_bitwise(tmp_path: Path, workers: int, checkpoints: tuple[str, ...], **fit_options: Any) -> None:
     """An uninterrupted fit, then one resumed from each of its ``checkpoints``: each ends bitwise as it
     (noise in the main process when there are no workers)."""
-    truth = _fit(_custom(), tmp_path / "truth", workers, workers == 0, **fit_options)
+    truth = _fit(custom_strategy(), tmp_path / "truth", workers, workers == 0, **fit_options)
     for checkpoint in checkpoints:
         resumed = _fit(
-            _custom(),
+            custom_strategy(),
             tmp_path / checkpoint,
             workers,
             workers == 0,
@@ -152,7 +142,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def run(workers: int, noise: bool) -> tuple[Path, list[dict]]:
         if (workers, noise) not in runs:
             out = tmp_path_factory.mktemp(f"uninterrupted_w{workers}_{noise}") / "run"
-            runs[(workers, noise)] = out, _fit(_custom(), out, workers, noise)
+            runs[(workers, noise)] = out, _fit(custom_strategy(), out, workers, noise)
         return runs[(workers, noise)]
 
     return run
@@ -184,7 +174,7 @@ def test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_and_ends_bitwis
     tmp_path: Path, uninterrupted: Any, workers: int, noise: bool, checkpoint: str
 ) -> None:
     out, truth = uninterrupted(workers, noise)
-    resumed = _fit(_custom(), tmp_path / "resumed", workers, noise, out / "ckpt" / checkpoint)
+    resumed = _fit(custom_strategy(), tmp_path / "resumed", workers, noise, out / "ckpt" / checkpoint)
     assert _same(resumed, truth)
 
 
@@ -192,8 +182,7 @@ def test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_and_ends_bitwis
 def test_ddp_resumes_with_the_restarts_generators(tmp_path: Path, uninterrupted: Any) -> None:
     """What the test above would catch: the same checkpoint's batches, other random draws."""
     out, truth = uninterrupted(0, True)
-    ddp = DDPStrategy(start_method="fork", timeout=timedelta(seconds=60))
-    assert not _same(_fit(ddp, tmp_path / "ddp", 0, True, out / "ckpt" / "epoch=0.ckpt"), truth)
+    assert not _same(_fit(ddp_strategy(), tmp_path / "ddp", 0, True, out / "ckpt" / "epoch=0.ckpt"), truth)
 
 
 class EpochScale(Stochastic):
@@ -296,7 +285,7 @@ def test_the_generators_kept_at_training_start_are_those_a_checkpoint_there_must
     monkeypatch.setattr(Watchdog, "training_starts", recorded)  # forked ranks inherit it
     out, _ = uninterrupted(0, False)
     ckpt_path = out / "ckpt" / checkpoint if checkpoint else None
-    _fit(_custom(), tmp_path / "run", 0, False, ckpt_path, callbacks=(_FirstBatchGenerator(kept),))
+    _fit(custom_strategy(), tmp_path / "run", 0, False, ckpt_path, callbacks=(_FirstBatchGenerator(kept),))
     for rank in range(2):
         state = torch.load(kept / f"rank{rank}.pt", weights_only=True)
         if ckpt_path is not None:

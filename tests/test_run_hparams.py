@@ -8,32 +8,18 @@ from typing import Any
 
 import pytest
 import yaml
-from lightning.pytorch import Trainer
+from conformance_harness import one_process_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
+from train_cli_helpers import CONFIGS, TINY_ARGS
 
+import train  # train.py at the repository root, on pytest's pythonpath
 from callbacks.run_hparams import RunHparams, flatten_hparams, strategy_name
 from lit_cifar.module import LitClassifier
 from strategies import CustomDDPStrategy
-
-REPO = Path(__file__).resolve().parent.parent
-TINY_CLI = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=400",
-    "--data.synthetic_test_size=200",
-    "--data.val_size=100",
-    "--data.batch_size=64",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.max_epochs=1",
-    "--trainer.limit_train_batches=2",
-]
-
-
-import train  # noqa: E402  (train.py at the repository root, on pytest's pythonpath)
 
 
 def read_hparams_plugin(run_dir: Path) -> tuple[dict[str, Any], set[str], EventAccumulator]:
@@ -57,107 +43,83 @@ def _check_session(run_dir: Path) -> tuple[dict[str, Any], EventAccumulator]:
     return hparams, events
 
 
-def test_single_process_fit_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
-    train.main(
+def _fit_through_the_cli(tmp_path: Path, data_dir: Path, *strategy_flags: str) -> Any:
+    """``train.py fit`` of the quickstart config on the tiny data: 2 batches, accumulated 2, logged under tmp_path."""
+    return train.main(
         [
             "fit",
             "--config",
-            str(REPO / "configs" / "quickstart.yaml"),
-            *TINY_CLI,
-            "--trainer.devices=1",
-            "--trainer.strategy=auto",
+            str(CONFIGS / "quickstart.yaml"),
+            *TINY_ARGS,
+            "--trainer.enable_model_summary=false",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            *strategy_flags,
             "--trainer.accumulate_grad_batches=2",
             f"--data.data_dir={data_dir}",
             f"--trainer.logger.init_args.save_dir={tmp_path}",
         ]
     )
+
+
+def _assert_values(hparams: dict[str, Any], expected: dict[str, Any]) -> None:
+    """The session holds ``expected``'s keys with its values (and may hold others)."""
+    assert {key: hparams[key] for key in expected} == expected
+
+
+def test_single_process_fit_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
+    _fit_through_the_cli(tmp_path, data_dir, "--trainer.devices=1", "--trainer.strategy=auto")
     hparams, _ = _check_session(tmp_path / "lightning_logs" / "version_0")
-    assert {
-        key: hparams[key]
-        for key in (
-            "strategy",
-            "world_size",
-            "accumulate_grad_batches",
-            "dataset_used",
-            "stage",
-            "precision",
-            "net",
-            "global_batch_size",
-            "seed",
-        )
-    } == {
-        "strategy": "single_device",
-        "world_size": 1,
-        "accumulate_grad_batches": 2,
-        "dataset_used": "synthetic",
-        "stage": "fit",
-        "precision": "32-true",
-        "net": "template",
-        "global_batch_size": 128,
-        "seed": 0,
-    }
+    _assert_values(
+        hparams,
+        {
+            "strategy": "single_device",
+            "world_size": 1,
+            "accumulate_grad_batches": 2,
+            "dataset_used": "synthetic",
+            "stage": "fit",
+            "precision": "32-true",
+            "net": "template",
+            "global_batch_size": 128,
+            "seed": 0,
+        },
+    )
     assert "strategy/sync_mode" not in hparams and not any(key.startswith("_") for key in hparams)
 
 
 @pytest.mark.distributed
 def test_custom_ddp_two_processes_through_the_cli(tmp_path: Path, data_dir: Path) -> None:
     # custom_ddp_fork: the quickstart's strategy on its 2 processes, forked from this one (seconds, not a re-run).
-    cli = train.main(
-        [
-            "fit",
-            "--config",
-            str(REPO / "configs" / "quickstart.yaml"),
-            *TINY_CLI,
-            "--trainer.strategy=custom_ddp_fork",
-            "--trainer.strategy.sync_mode=flat",
-            "--trainer.accumulate_grad_batches=2",
-            f"--data.data_dir={data_dir}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-        ]
+    cli = _fit_through_the_cli(
+        tmp_path, data_dir, "--trainer.strategy=custom_ddp_fork", "--trainer.strategy.sync_mode=flat"
     )
     assert cli.trainer.world_size == 2
     hparams, _ = _check_session(tmp_path / "lightning_logs" / "version_0")
-    assert {
-        key: hparams[key]
-        for key in (
-            "strategy",
-            "strategy/sync_mode",
-            "strategy/start_method",
-            "strategy/sync_batchnorm",
-            "strategy/bucket_cap_mb",
-            "strategy/process_group_backend",
-            "world_size",
-            "accumulate_grad_batches",
-            "dataset_used",
-            "global_batch_size",
-        )
-    } == {
-        "strategy": "custom_ddp",
-        "strategy/sync_mode": "flat",
-        "strategy/start_method": "fork",
-        "strategy/sync_batchnorm": "True",
-        "strategy/bucket_cap_mb": 25.0,
-        "strategy/process_group_backend": "gloo",
-        "world_size": 2,
-        "accumulate_grad_batches": 2,
-        "dataset_used": "synthetic",
-        "global_batch_size": 256,
-    }
+    _assert_values(
+        hparams,
+        {
+            "strategy": "custom_ddp",
+            "strategy/sync_mode": "flat",
+            "strategy/start_method": "fork",
+            "strategy/sync_batchnorm": "True",
+            "strategy/bucket_cap_mb": 25.0,
+            "strategy/process_group_backend": "gloo",
+            "world_size": 2,
+            "accumulate_grad_batches": 2,
+            "dataset_used": "synthetic",
+            "global_batch_size": 256,
+        },
+    )
 
 
 def test_validate_and_test_stages_and_other_loggers(tmp_path: Path, tiny_datamodule) -> None:
     """Direct Trainer use: one session per stage; a non-TensorBoard logger gets the same parameters."""
     csv = CSVLogger(tmp_path, name="csv")
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
+    trainer = one_process_trainer(
         limit_val_batches=1,
         limit_test_batches=1,
         callbacks=[RunHparams()],
         logger=[TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False), csv],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     model, datamodule = LitClassifier(net="template"), tiny_datamodule()
     trainer.validate(model, datamodule=datamodule, verbose=False)

@@ -9,16 +9,14 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from conformance_harness import custom_strategy, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.stop_signals import StopOnSignal
 
 pytestmark = pytest.mark.distributed
@@ -34,14 +32,10 @@ def test_sigint_to_the_launching_process_alone_stops_every_worker_with_a_checkpo
     tmp_path, python_sigint_handler: None
 ) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+    trainer = make_trainer(
+        custom_strategy(timeout_s=30),
         max_epochs=5,
-        logger=False,
-        enable_progress_bar=False,
-        strategy=CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
-        enable_model_summary=False,
+        enable_checkpointing=True,
         default_root_dir=tmp_path,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1000)],
     )

@@ -5,14 +5,13 @@ errors: ``tests/test_train_cli_options.py``."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from train_cli_helpers import CONFIGS, REPO, WARNING_LINE
+from entry_points import run_python, train_py, train_py_on_two_processes
+from train_cli_helpers import CONFIGS, TINY_ARGS, WARNING_LINE
 
 import train
 from lit_cifar.data import CIFAR100DataModule
@@ -20,32 +19,18 @@ from lit_cifar.module import LitClassifier
 from lit_cifar.transforms import normalize
 
 
+@pytest.mark.slow  # the quickstart and fit/test/predict tests run the entry point too; print_config is parsed
+# in this process by test_train_cli_options
 def test_print_config_from_the_command_line() -> None:
     # The real entry point, as README shows it (a subprocess: argv parsing, imports, exit code).
-    result = subprocess.run(
-        [sys.executable, "train.py", "fit", "--config", "configs/quickstart.yaml", "--print_config"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    result = run_python("train.py", "fit", "--config", "configs/quickstart.yaml", "--print_config")
     config = yaml.safe_load(result.stdout)
     assert config["model"]["net"] == "template" and config["data"]["dataset"] == "auto"
     assert config["trainer"]["logger"]["class_path"] == "lightning.pytorch.loggers.TensorBoardLogger"
 
 
-TINY_ARGS = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=400",
-    "--data.synthetic_test_size=200",
-    "--data.val_size=100",
-    "--data.batch_size=64",
-    "--trainer.enable_progress_bar=false",
-    # In this process: the quickstart's 2 popen processes would re-run pytest's own command line.
-    "--trainer.devices=1",
-    "--trainer.strategy=auto",
-]
+# In this process: the quickstart's 2 popen processes would re-run pytest's own command line.
+ONE_PROCESS_TINY_ARGS = [*TINY_ARGS, "--trainer.devices=1", "--trainer.strategy=auto"]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +42,7 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple:
             "fit",
             "--config",
             str(CONFIGS / "quickstart.yaml"),
-            *TINY_ARGS,
+            *ONE_PROCESS_TINY_ARGS,
             f"--data.data_dir={data_dir}",
             "--trainer.max_epochs=1",
             "--trainer.limit_train_batches=2",
@@ -102,7 +87,7 @@ def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir
             "predict",
             "--config",
             str(CONFIGS / "quickstart.yaml"),
-            *TINY_ARGS,
+            *ONE_PROCESS_TINY_ARGS,
             f"--data.data_dir={data_dir}",
             "--data.eval_batch_size=48",
             f"--trainer.default_root_dir={root_dir}",
@@ -128,9 +113,7 @@ def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir
 def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_console(tmp_path: Path) -> None:
     """README's first command as typed (custom_ddp, 2 processes started by popen, dataset=auto falling back to
     synthetic data), on tiny sizes, plus BenchmarkMonitor: what the console shows, and what it no longer shows."""
-    command = [
-        sys.executable,
-        "train.py",
+    output = train_py_on_two_processes(
         "fit",
         "--config",
         "configs/quickstart.yaml",
@@ -148,11 +131,7 @@ def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_c
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.callbacks+=BenchmarkMonitor",
         "--trainer.callbacks.warmup_steps=1",
-    ]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # the popen launcher started rank 1, which re-ran the CLI
+    )
     run_dir = tmp_path / "lightning_logs" / "version_0"
     # The summary: once (rank 0), with the accuracy, the wall time, SYNTHETIC said loudly, the logs, the checkpoint.
     assert output.count("lit-cifar fit done: custom_ddp on 2 process(es), wall time ") == 1
@@ -218,11 +197,12 @@ def test_the_logger_follows_default_root_dir_unless_given_its_own(
     assert Path(cli.trainer.log_dir).parent == Path(save_dir.format(tmp=tmp_path)) / "lightning_logs"
 
 
-def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> None:
-    """README's fit, then test and predict of its checkpoint, on tiny data and one process (the 2-process quickstart
-    test checks custom_ddp's fit console too): no console line is a warning. Gone: torch's LeafSpec deprecation from
-    Lightning's _pytree (every run) and ModelCheckpoint's "The dirpath has changed" (test and predict). A new
-    warning fails here."""
+def test_test_and_predict_print_no_warning(tmp_path: Path, data_dir: Path, fit_run: tuple) -> None:
+    """README's test and predict of a fit's checkpoint (the module's one-process CLI fit), on tiny data, each in a
+    process of its own: no console line is a warning (the fit's console: the 2-process quickstart test). Gone:
+    torch's LeafSpec deprecation from Lightning's _pytree (every run) and ModelCheckpoint's "The dirpath has
+    changed" (the checkpoint's job folder is not this one). A new warning fails here."""
+    _, fit_root = fit_run
     common = [
         "--config",
         "configs/quickstart.yaml",
@@ -237,22 +217,8 @@ def test_fit_test_predict_print_no_warning(tmp_path: Path, data_dir: Path) -> No
         "--data.batch_size=32",
         "--data.eval_batch_size=50",
         "--trainer.enable_progress_bar=false",
+        f"--ckpt_path={fit_root / 'lightning_logs' / 'version_0' / 'checkpoints' / 'last.ckpt'}",
     ]
-    checkpoint = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    runs = {
-        # log_every_n_steps=1: with 2 batches Lightning would rightly warn about the quickstart's 10.
-        "fit": ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.log_every_n_steps=1"],
-        "test": [f"--ckpt_path={checkpoint}"],
-        "predict": [f"--ckpt_path={checkpoint}"],
-    }
-    for subcommand, flags in runs.items():
-        done = subprocess.run(
-            [sys.executable, "train.py", subcommand, *common, *flags],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        output = done.stdout + done.stderr
-        assert done.returncode == 0, output[-4000:]
+    for subcommand in ("test", "predict"):
+        output = train_py(subcommand, *common)
         assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"

@@ -159,29 +159,25 @@ def test_the_verdict_is_agreed_once_and_the_reporter_names_the_stalled_rank(stor
 def test_a_store_silent_for_stall_timeout_ends_the_rank_counted_from_the_unanswered_call(capfd) -> None:
     """The first StoreUnanswered comes STORE_OP_S after the call was sent: the silence counts from the send."""
     exits: list[int] = []
-    watch = StallWatch(
-        1,
-        2,
-        STALL,
-        {"rank": 1, "pid": 11, "host": "h"},
-        lambda: "",
-        lambda record, rank0_lost: "no checkpoint",
-        exit=exits.append,
-    )
+
+    def rank_1_watch() -> StallWatch:  # a fresh watch of rank 1 of 2 (stall_timeout STALL); its exits land in exits
+        return StallWatch(
+            1,
+            2,
+            STALL,
+            {"rank": 1, "pid": 11, "host": "h"},
+            lambda: "",
+            lambda record, rank0_lost: "no checkpoint",
+            exit=exits.append,
+        )
+
+    watch = rank_1_watch()
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL + 5.0))
     assert exits == []
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))  # still the same silence
     assert exits == []  # the silence began at the first error's send time: 5 s short of stall_timeout
     time.sleep(0.01)
-    watch = StallWatch(
-        1,
-        2,
-        STALL,
-        {"rank": 1, "pid": 11, "host": "h"},
-        lambda: "",
-        lambda record, rank0_lost: "no checkpoint",
-        exit=exits.append,
-    )
+    watch = rank_1_watch()
     watch.on_store_error(StoreUnanswered("check", since=time.monotonic() - STALL - 0.2))
     assert exits == [STALL_EXIT_STATUS]
     assert "the job's store has not answered for 20 s (StoreUnanswered)" in capfd.readouterr().err

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pickle
 import random
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conformance_harness import rank_0_fitting
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 
@@ -91,13 +91,7 @@ def test_the_last_checkpoint_holds_them_only_when_it_is_the_one_written(stores: 
     for _ in range(3):  # 3 training batches done
         progress.increment_ready(), progress.increment_started(), progress.increment_processed()
         progress.increment_completed()
-    trainer = SimpleNamespace(
-        is_global_zero=True,
-        global_rank=0,
-        global_step=3,
-        current_epoch=0,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-    )
+    trainer = rank_0_fitting(global_step=3, current_epoch=0, progress=progress)
     ranks = [WindowGenerators(store, rank, 2) for rank, store in enumerate(stores[:2])]
     for generators in ranks:
         generators.keep(3)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conformance_harness import custom_strategy, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -54,15 +54,9 @@ def _fit_in_forked_workers(
     handler = logging.FileHandler(root / "workers.log")
     logger = logging.getLogger("strategies")
     logger.addHandler(handler)
-    strategy = strategy or CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20), **options)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = make_trainer(
+        strategy or custom_strategy(timeout_s=20, **options),
+        enable_checkpointing=True,
         default_root_dir=root,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2)],
     )
@@ -86,7 +80,7 @@ def test_a_fork_worker_that_loses_its_peer_writes_the_last_checkpoint_and_names_
 
 
 def test_a_failing_exception_path_leaves_the_workers_own_error_to_raise(tmp_path) -> None:
-    strategy = CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=20))
+    strategy = custom_strategy(timeout_s=20)
 
     def broken(trainer: pl.Trainer, exception: BaseException) -> None:
         raise OSError("disk full")

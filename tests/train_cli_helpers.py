@@ -1,18 +1,26 @@
-"""What the ``train.py`` tests share: the repository's paths, how a warning line looks, and train.py's
-``--print_config`` as a dict."""
+"""What the ``train.py`` tests share: the configs' folder, the tiny synthetic data's flags, how a warning line looks,
+and train.py's ``--print_config`` as a dict."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
+from entry_points import REPO
 
 import train  # train.py at the repository root, on pytest's pythonpath
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
+# The session's tiny synthetic set (conftest.TINY, generated once in the data_dir fixture) as train.py flags.
+TINY_ARGS = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=400",
+    "--data.synthetic_test_size=200",
+    "--data.val_size=100",
+    "--data.batch_size=64",
+    "--trainer.enable_progress_bar=false",
+]
 # How Python (and Lightning) print a warning: "file.py:N: [Category: ]message".
 WARNING_LINE = re.compile(r"\.py:\d+: ")
 

@@ -270,41 +270,9 @@ class Watchdog(Callback):
     ) -> None:
         self._eval_mark(trainer, batch_idx)
 
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._eval_mark(trainer, batch_idx)
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_mark(trainer, batch_idx)
-
-    @override
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._eval_mark(trainer, batch_idx)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_mark(trainer, batch_idx)
+    # Test and predict batches mark progress as validation batches do (the same hook signatures).
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
 
     @override
     def on_save_checkpoint(
