@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from benchmarks.launcher import LAUNCH_VARIABLES
 from lit_cifar.data import CIFAR100DataModule
@@ -54,6 +56,18 @@ def python_sigint_handler() -> Iterator[None]:
 def _single_thread() -> None:
     # Several test processes and helpers share 2 cores; more intra-op threads only oversubscribe.
     torch.set_num_threads(1)
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``'s JSON-able result, computed once per test run: under pytest-xdist the first worker to ask
+    computes it, the others read it (a file lock in the run's shared temporary folder)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent / f"once_per_run-{name}.json"
+    with FileLock(f"{shared}.lock"):
+        if not shared.is_file():
+            shared.write_text(json.dumps(compute()))
+        return json.loads(shared.read_text())
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,12 @@
 """The fault matrix on a real 2-rank fit (popen launcher, real signals from outside, 30 s timeouts).
 
-The default run keeps five rows (about 3 minutes): an endless loop on rank 1 and a SIGSTOP'd rank 0,
+The default run keeps four rows (about 2 minutes): an endless loop on rank 1 and a SIGSTOP'd rank 0,
 the store's host (stalls, ``stall_timeout`` 10 s here, 20 s in the matrix), an exception on rank 1
-under ``torchrun --max-restarts=1``, and an exception on rank 1 after its forward (in the second
-micro-batch of an accumulation window, and in an epoch's first batch), each resumed from rank 0's
-checkpoint and compared bitwise with an uninterrupted run (the fit has dropout: the checkpoint must
-hold every rank's generators). Every row, with a resume from each checkpoint and the restart rows'
-final weights compared with an uninterrupted run, is ``slow``: ``pytest -m slow
-tests/test_fault_matrix.py`` (about 9 minutes on 2 cores).
+under ``torchrun --max-restarts=1``, and an exception on rank 1 after its forward in the second
+micro-batch of an accumulation window, resumed from rank 0's checkpoint and compared bitwise with an
+uninterrupted run (the fit has dropout: the checkpoint must hold every rank's generators). Every row,
+with a resume from each checkpoint and the restart rows' final weights compared with an uninterrupted
+run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 9 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -162,15 +161,17 @@ def rows_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.distributed
-@pytest.mark.xdist_group("resumed_fault_rows")  # one worker: they share the uninterrupted fits
 @pytest.mark.parametrize(
     "name",
     [
-        # The plain case of mid_window (no accumulation) runs with the slow ones; it is proven also by
-        # tests/test_worker_exception.py (a fork worker's peer lost: the last checkpoint, the peer named).
+        # With the slow ones: the plain case of mid_window (no accumulation; a fork worker's peer lost writes the
+        # last checkpoint and names the peer: tests/test_worker_exception.py), and the fault in an epoch's first
+        # batch, whose parts are proven faster: the generators kept before the epoch's loader draws
+        # (tests/test_resume_rng.py, test_the_generators_kept_at_training_start_are_those_a_checkpoint_...) and a
+        # bitwise resume from an epoch's end (test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_...).
         pytest.param("exception_rank1_after_forward", marks=pytest.mark.slow),
         "exception_rank1_mid_window",
-        "exception_rank1_epoch_start",
+        pytest.param("exception_rank1_epoch_start", marks=pytest.mark.slow),
     ],
 )
 def test_a_failure_inside_a_step_leaves_a_checkpoint_that_resumes_bitwise(rows_folder: Path, name: str) -> None:

@@ -11,13 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import once_per_run
 
 import collectives
 import measure
 import parallel
-
-# One xdist worker for the module: its fresh interpreters (module-scoped fixtures) run once, not once per worker.
-pytestmark = pytest.mark.xdist_group("layout")
 
 _ROOT = Path(__file__).resolve().parents[1]
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
@@ -43,6 +41,7 @@ def test_core_has_the_modules_the_readme_lists():
         "parallel.dist_utils",
         "parallel.eval_sharding",
         "parallel.grad_sync",
+        "parallel.host_exchange",
         "parallel.host_reduce",
         "parallel.metric_sync",
         "parallel.reducer",
@@ -79,11 +78,11 @@ _MEASUREMENT = [
 _GROUPS = {"parallel": _modules(parallel), "collectives": _modules(collectives), "measurement": _MEASUREMENT}
 
 
-@pytest.fixture(scope="module")
-def imports_without_lightning() -> dict[str, dict[str, str]]:
+@pytest.fixture(scope="session")
+def imports_without_lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
     """Per group, the modules that failed to import (module -> error) in ONE fresh interpreter where Lightning
     cannot be imported at all, and the Lightning modules loaded at the end (key ``"lightning loaded"``)."""
-    out = _run_fresh(f"""
+    code = f"""
         import importlib, json, sys
         for name in {_LIGHTNING_PACKAGES!r}:
             sys.modules[name] = None  # any `import lightning...` now raises ImportError
@@ -97,8 +96,8 @@ def imports_without_lightning() -> dict[str, dict[str, str]]:
                     failed[group][module] = repr(error)
         loaded = sorted(m for m in sys.modules if m.split('.')[0] in {_LIGHTNING_PACKAGES!r} and sys.modules[m])
         print(json.dumps({{**failed, "lightning loaded": loaded}}))
-    """)
-    return json.loads(out)
+    """
+    return once_per_run(tmp_path_factory, "imports_without_lightning", lambda: json.loads(_run_fresh(code)))
 
 
 @pytest.mark.parametrize("group", list(_GROUPS))
@@ -109,11 +108,11 @@ def test_package_imports_without_lightning(group, imports_without_lightning):
     assert imports_without_lightning["lightning loaded"] == []
 
 
-@pytest.fixture(scope="module")
-def fresh_registry_and_callbacks() -> list[str]:
+@pytest.fixture(scope="session")
+def fresh_registry_and_callbacks(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """One fresh interpreter: whether ``import callbacks`` loads Lightning, the modules of its public names, then
     the ``custom_ddp`` names registered by ``import strategies``."""
-    return _run_fresh("""
+    code = """
         import sys
         import callbacks
         before = 'lightning' in sys.modules
@@ -122,7 +121,8 @@ def fresh_registry_and_callbacks() -> list[str]:
         import strategies
         from lightning.pytorch.strategies import StrategyRegistry
         print(sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')))
-    """).splitlines()
+    """
+    return once_per_run(tmp_path_factory, "fresh_registry_and_callbacks", lambda: _run_fresh(code).splitlines())
 
 
 def test_strategies_package_registers_custom_ddp(fresh_registry_and_callbacks):
