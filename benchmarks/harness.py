@@ -110,17 +110,15 @@ def parse(
 
 def parse_step_rounds(
     name: str, doc: str | None, argv: Sequence[str] | None, rounds: int, steps: int, quick: tuple[int, int]
-) -> tuple[argparse.Namespace, int, int, Quietness]:
+) -> tuple[argparse.Namespace, int, int]:
     """A benchmark of whole training steps on 1-thread ranks: its options (``--rounds``, ``--steps`` with these
-    defaults), the rounds and steps to run (``quick`` with ``--quick``), 1 intra-op thread here, and the
-    quietness record once the machine is quiet."""
+    defaults), the rounds and steps to run (``quick`` with ``--quick``), and 1 intra-op thread here."""
     p = parser(name, doc)
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--steps", type=int, default=steps)
     args = parse(p, argv)
-    rounds, steps = quick if args.quick else (args.rounds, args.steps)
     torch.set_num_threads(1)
-    return args, rounds, steps, wait_for_quiet(max_wait_s=args.max_wait_s)
+    return args, *(quick if args.quick else (args.rounds, args.steps))
 
 
 def settings(values: dict[str, tuple[Any, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
