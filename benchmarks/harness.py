@@ -36,36 +36,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import (
-    INTERVALS,
-    Estimate,
-    difference_ci,
-    in_runs,
-    median_ci,
-    pair_ratio_ci,
-    paired_ratio_ci,
-    ratio_ci,
-    share_ci,
-)
+from measure.stats import INTERVALS, Estimate, in_runs, median_ci, ratio_ci
 from measure.timing import aligned_seconds, slowest_rank
-
-# Re-exported for the entry points not yet moved to measure.* (removed once none imports them from here).
-__all__ = [
-    "Estimate",
-    "Quietness",
-    "aligned_seconds",
-    "difference_ci",
-    "in_runs",
-    "measure_peak",
-    "median_ci",
-    "pair_ratio_ci",
-    "paired_ratio_ci",
-    "ratio_ci",
-    "share_ci",
-    "slowest_rank",
-]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -277,25 +250,6 @@ def make_record(
     }
 
 
-def finish_run(
-    benchmark: str,
-    config: dict[str, Any],
-    quiet: Quietness,
-    argv: Sequence[str] | None,
-    write: Callable[[dict[str, Any], Path], None],
-    out: Path,
-    started: float | None = None,
-    **sections: Any,
-) -> dict[str, Any]:
-    """The end of a benchmark's ``main()``: its record (``wall_s`` since ``started``, a ``time.monotonic()``),
-    written into ``out`` by the benchmark's ``write``; returns the record."""
-    if started is not None:
-        sections["wall_s"] = time.monotonic() - started
-    record = make_record(benchmark, config, quiet.finish(), argv=argv, **sections)
-    write(record, Path(out))
-    return record
-
-
 def machine(env: dict[str, Any]) -> str:
     """A record's CPU as reports name it: model, vendor/family/model/stepping where kept, core count."""
     cpu_id = f" [{env['cpu_id']}]" if env.get("cpu_id") else ""  # absent from records made before it was kept
@@ -401,7 +355,7 @@ def plot_estimates(path: Path, panels: Sequence[Panel], title: str, comparable: 
     with plt.rc_context(_STYLE):
         fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.8 * len(panels)), squeeze=False, layout="constrained")
         for ax, panel in zip(axes[:, 0], panels, strict=True):
-            _draw(ax, panel if isinstance(panel, Panel) else Panel(**panel))  # a dict: the entry points not yet moved
+            _draw(ax, panel)
         shown = title if comparable else f"NOT COMPARABLE (busy machine): {title}"
         fig.suptitle(shown, color=None if comparable else "tab:red")
         fig.savefig(path)
