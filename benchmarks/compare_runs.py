@@ -1,10 +1,12 @@
 """How compare drives its runs: fresh ``python train.py fit`` processes, as a user types them, per
 variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit. The
 flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`), its reading
-(:func:`read_monitor`) and :func:`call_logged` serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
+(:func:`read_monitor`), :func:`call_logged` and the options and settings both share (:func:`fits_parser`,
+:func:`run_settings`, :func:`step_rows`) serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -13,17 +15,25 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import slowest_rank
+from benchmarks.harness import fmt_value, interleave, medians, parser, table
 from benchmarks.launcher import without_launch_variables
+from measure.timing import slowest_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
 BASE_CONFIG = "configs/cifar100_template_net.yaml"
 _CUSTOM, _DDP = "strategies.custom_ddp.CustomDDPStrategy", "lightning.pytorch.strategies.DDPStrategy"
+# Per net: batch per process, warm-up and timed optimizer steps of a timing run. ResNet-18's CIFAR
+# stem keeps 32x32 maps in its first stage: ~0.2 s per 8-image micro-batch on one core.
+NETS = {
+    "template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
+    "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 8},
+}
 
 
 @dataclass(frozen=True)
@@ -49,24 +59,21 @@ def _strategy(path: str, **options: object) -> tuple[str, ...]:
 VARIANTS: dict[str, Variant] = {
     "custom_ddp": Variant(
         "custom_ddp (SyncBN)",
-        "hand-written SyncBatchNorm, bucketed accumulation-aware gradient "
-        "sync (25 MiB buckets), broadcast_buffers=true (nothing to send: every buffer is a SyncBN "
-        "statistic)",
+        "hand-written SyncBatchNorm, bucketed accumulation-aware gradient sync (25 MiB buckets), "
+        "broadcast_buffers=true (nothing to send: every buffer is a SyncBN statistic)",
         _strategy(_CUSTOM, sync_batchnorm=True, broadcast_buffers=True),
     ),
     "custom_ddp_compiled": Variant(
         "custom_ddp (SyncBN, compiled)",
-        "syncbn_compile=true: the SyncBatchNorm passes "
-        "torch.compile'd (compiled during the warm-up steps; inductor's disk cache shared by "
-        "the runs)",
+        "syncbn_compile=true: the SyncBatchNorm passes torch.compile'd (compiled during the warm-up steps; "
+        "inductor's disk cache shared by the runs)",
         _strategy(_CUSTOM, sync_batchnorm=True, syncbn_compile=True),
     ),
     # Compared with ddp_tuned, which broadcasts no buffers: the same setting on both sides.
     "custom_ddp_localbn": Variant(
         "custom_ddp (local BN)",
-        "sync_batchnorm=false: local BatchNorm like ddp on CPU; "
-        "broadcast_buffers=false like ddp tuned (forward_sync_buffers=false); "
-        "grad_transport=auto: buckets summed in shared memory (one host)",
+        "sync_batchnorm=false: local BatchNorm like ddp on CPU; broadcast_buffers=false like ddp tuned "
+        "(forward_sync_buffers=false); grad_transport=auto: buckets summed in shared memory (one host)",
         _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False),
     ),
     # The same with gloo summing the buckets over TCP loopback: what grad_transport=auto's shared memory changes.
@@ -77,8 +84,8 @@ VARIANTS: dict[str, Variant] = {
     ),
     "ddp_default": Variant(
         "ddp default (local BN)",
-        "Lightning ddp as it comes: gradient_as_bucket_view=False, "
-        "forward_sync_buffers=True (rank 0's BN buffers broadcast every forward)",
+        "Lightning ddp as it comes: gradient_as_bucket_view=False, forward_sync_buffers=True (rank 0's BN buffers "
+        "broadcast every forward)",
         _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True),
     ),
     "ddp_tuned": Variant(
@@ -88,9 +95,8 @@ VARIANTS: dict[str, Variant] = {
     ),
     "custom_ddp_bf16": Variant(
         "custom_ddp (SyncBN), bf16 gradients",
-        "grad_compression=bf16: buckets all-reduced "
-        "in bfloat16 by gloo (compression turns grad_transport=auto's shared memory off: its "
-        "ratio to custom_ddp includes the transport)",
+        "grad_compression=bf16: buckets all-reduced in bfloat16 by gloo (compression turns grad_transport=auto's "
+        "shared memory off: its ratio to custom_ddp includes the transport)",
         _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
         nets=("resnet18",),
     ),
@@ -115,12 +121,21 @@ def variants_for(net: str) -> list[str]:
     return [name for name, variant in VARIANTS.items() if net in variant.nets]
 
 
+def fits_parser(name: str, doc: str | None, nets: Sequence[str], variants: dict[str, str]) -> argparse.ArgumentParser:
+    """The options of a benchmark of fits: :func:`benchmarks.harness.parser`'s, the nets, the accumulation
+    settings and the variants (``{"choices", "default", "help"}``)."""
+    p = parser(name, doc)
+    p.add_argument("--nets", nargs="+", choices=tuple(nets), default=list(nets))
+    p.add_argument("--accumulate", type=int, nargs="+", default=[1, 2, 4], dest="accumulates")
+    p.add_argument("--variants", nargs="+", **variants)
+    return p
+
+
 def call_logged(command: list[str], log: Path, timeout_s: float, threads: int | None) -> float:
     """Run ``command`` from the repository root with ``threads`` intra-op threads (None: its launcher's or
     torch's default) and no inherited launch variables, output to ``log``; raise with its tail on failure."""
-    env = {k: v for k, v in without_launch_variables(dict(os.environ)).items() if k != "OMP_NUM_THREADS"} | (
-        {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    )
+    env = {k: v for k, v in without_launch_variables(dict(os.environ)).items() if k != "OMP_NUM_THREADS"}
+    env |= {"OMP_NUM_THREADS": str(threads)} if threads else {}
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("$ " + shlex.join(command) + "\n")
     start = time.perf_counter()
@@ -132,15 +147,17 @@ def call_logged(command: list[str], log: Path, timeout_s: float, threads: int | 
     return time.perf_counter() - start
 
 
-def run_settings(out: Path, quick: bool) -> dict[str, Any]:
-    """The runs' folder (relative to the repository root, where they start, when inside it) and their data:
-    ``--quick``'s tiny synthetic sets kept in its own folder, full ones in the checkout's ``data/``."""
-    out = out.resolve()
+def run_settings(args: argparse.Namespace, nets: dict[str, dict], quick_steps: dict[str, int]) -> dict[str, Any]:
+    """The runs' folder (relative to the repository root, where they start, when inside it), their data
+    (``--quick``'s tiny synthetic sets kept in its own folder, full ones in the checkout's ``data/``) and nets
+    (``--quick``: ``quick_steps``)."""
+    out = args.out.resolve()
     return {
         "out": str(out.relative_to(REPO_ROOT)) if out.is_relative_to(REPO_ROOT) else str(out),
-        "train_size": 640 if quick else 6_000,
-        "test_size": 64 if quick else 1_000,
-        **({"data_dir": str(out / "data")} if quick else {}),
+        "train_size": 640 if args.quick else 6_000,
+        "test_size": 64 if args.quick else 1_000,
+        **({"data_dir": str(out / "data")} if args.quick else {}),
+        "nets": {net: nets[net] | (quick_steps if args.quick else {}) for net in args.nets},
     }
 
 
@@ -148,7 +165,6 @@ def fit_flags(
     cfg: dict[str, Any], net: str, variant: str, accumulate: int, flags: dict[str, object], *callback: str
 ) -> list[str]:
     """The ``train.py fit`` options of ``variant``: the shared flags, ``flags`` and ``callback``."""
-    v = VARIANTS[variant]
     shared = {
         "config": BASE_CONFIG,
         "seed_everything": 0,
@@ -162,12 +178,12 @@ def fit_flags(
         "trainer.enable_progress_bar": False,
         "trainer.enable_model_summary": False,
     }
-    kwargs = {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
-    data = {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}  # see run_settings
-    own = {"trainer.devices": v.processes, "trainer.accumulate_grad_batches": accumulate} | flags
+    shared |= {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
+    shared |= {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}  # see run_settings
+    own = {"trainer.devices": VARIANTS[variant].processes, "trainer.accumulate_grad_batches": accumulate} | flags
     return [
-        *(_flag(k, x) for k, x in (shared | kwargs | data).items()),
-        *v.flags,
+        *(_flag(k, x) for k, x in shared.items()),
+        *VARIANTS[variant].flags,
         *(_flag(k, x) for k, x in own.items()),
         *callback,
     ]
@@ -178,10 +194,8 @@ def _fit(
 ) -> tuple[str, float]:
     """``train.py fit`` of ``variant`` (:func:`fit_flags`) in a fresh process; its command and wall time."""
     command = [sys.executable, "train.py", "fit", *fit_flags(cfg, net, variant, accumulate, flags, *callback)]
-    wall_s = call_logged(
-        command, Path(cfg["out"], "logs", f"{name}.txt"), cfg["run_timeout_s"], VARIANTS[variant].threads
-    )
-    return shlex.join(command[1:]), wall_s
+    log = Path(cfg["out"], "logs", f"{name}.txt")
+    return shlex.join(command[1:]), call_logged(command, log, cfg["run_timeout_s"], VARIANTS[variant].threads)
 
 
 def short_fit_flags(run_dir: Path, accumulate: int, steps: int) -> dict[str, object]:
@@ -218,26 +232,18 @@ def read_monitor(run_dir: Path, micro_batches: bool = False) -> dict[str, Any]:
     monitor = json.loads((run_dir / "benchmark.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     micro = {"micro_batch_s": slowest_rank(monitor["micro_batch_s_per_rank"])} if micro_batches else {}
-    return {
-        "threads": monitor["run"]["intra_op_threads"],
-        "step_s": slowest_rank(monitor["step_s_per_rank"]),
-        **micro,
-        "recorded": monitor["run"],
-    }
+    step_s = slowest_rank(monitor["step_s_per_rank"])
+    return {"threads": monitor["run"]["intra_op_threads"], "step_s": step_s, **micro, "recorded": monitor["run"]}
 
 
 def timing_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int) -> dict[str, Any]:
     """One short timed fit: command, wall time, intra-op threads and per-step seconds (the slowest rank's)."""
-    setting = cfg["nets"][net]
-    command, wall_s, run_dir = _short_fit(
-        cfg,
-        net,
-        variant,
-        accumulate,
+    warmup, steps, name = (
+        cfg["nets"][net]["warmup_steps"],
+        cfg["nets"][net]["steps"],
         f"{net}_{variant}_acc{accumulate}",
-        setting["warmup_steps"] + setting["steps"],
-        *monitor_flags(setting["warmup_steps"]),
     )
+    command, wall_s, run_dir = _short_fit(cfg, net, variant, accumulate, name, warmup + steps, *monitor_flags(warmup))
     return {"command": command, "wall_s": wall_s, **read_monitor(run_dir)}
 
 
@@ -245,22 +251,17 @@ def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int
     """Rank 0's collectives and bytes by source in the last of 3 optimizer steps (its ``accumulate``
     micro-batches, the loop's SIGTERM broadcasts included): exact, hardware-independent counts."""
     name = f"{net}_{variant}_acc{accumulate}_collectives"
-    command, _, run_dir = _short_fit(
-        cfg,
-        net,
-        variant,
-        accumulate,
-        name,
-        3,
+    counter = (
         "--trainer.callbacks=callbacks.CollectiveCounter",
         _flag("trainer.callbacks.out_dir", Path(cfg["out"], "work", name)),
     )
+    command, _, run_dir = _short_fit(cfg, net, variant, accumulate, name, 3, *counter)
     windows = [w for w in json.loads((run_dir / "collectives_rank0.json").read_text()) if w["batch_idx"] is not None]
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {
-        "command": command,
-        **{key: dict(sum((Counter(w[key]) for w in windows[-accumulate:]), Counter())) for key in ("counts", "bytes")},
+    totals = {
+        key: dict(sum((Counter(w[key]) for w in windows[-accumulate:]), Counter())) for key in ("counts", "bytes")
     }
+    return {"command": command, **totals}
 
 
 def accuracy_run(cfg: dict[str, Any], variant: str, accumulate: int) -> dict[str, Any]:
@@ -274,32 +275,59 @@ def accuracy_run(cfg: dict[str, Any], variant: str, accumulate: int) -> dict[str
 
     tb_root = Path(cfg["out"], "tb")
     shutil.rmtree(tb_root / variant, ignore_errors=True)
-    command, wall_s = _fit(
-        cfg,
-        "template",
-        variant,
-        accumulate,
-        f"{variant}_accuracy",
-        {
-            "trainer.max_epochs": cfg["accuracy_epochs"],
-            "trainer.logger": "lightning.pytorch.loggers.TensorBoardLogger",
-            "trainer.logger.save_dir": tb_root,
-            "trainer.logger.name": variant,
-            "trainer.logger.version": "fit",
-        },
-    )
+    flags = {
+        "trainer.max_epochs": cfg["accuracy_epochs"],
+        "trainer.logger": "lightning.pytorch.loggers.TensorBoardLogger",
+        "trainer.logger.save_dir": tb_root,
+        "trainer.logger.name": variant,
+        "trainer.logger.version": "fit",
+    }
+    command, wall_s = _fit(cfg, "template", variant, accumulate, f"{variant}_accuracy", flags)
     checkpoint = tb_root / variant / "fit" / "checkpoints" / "last.ckpt"
+    test_logger = TensorBoardLogger(tb_root, name=variant, version="test")
     trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=TensorBoardLogger(tb_root, name=variant, version="test"),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=1, logger=test_logger, enable_progress_bar=False, enable_model_summary=False
     )
-    trainer.test(
-        LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu"),
-        datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint),
-        verbose=False,
-    )
+    model = LitClassifier.load_from_checkpoint(checkpoint, map_location="cpu")
+    trainer.test(model, datamodule=CIFAR100DataModule.load_from_checkpoint(checkpoint), verbose=False)
     shutil.rmtree(checkpoint.parent, ignore_errors=True)
     return {"accumulate": accumulate, "command": command, "wall_s": wall_s}
+
+
+def interleaved_fits(cfg: dict[str, Any], variants: dict[str, list[str]], rounds: int, fit: Callable) -> dict:
+    """Per net and accumulation setting, ``rounds`` rounds of ``fit(net, variant, accumulate, round)`` for each
+    of the net's ``variants``, their order alternating (:func:`benchmarks.harness.interleave`)."""
+    return {
+        net: {
+            str(acc): interleave(variants[net], rounds, lambda v, i, net=net, acc=acc: fit(net, v, acc, i))
+            for acc in cfg["accumulates"]
+        }
+        for net in cfg["nets"]
+    }
+
+
+def step_rows(timing: dict[str, Any], row: Any) -> dict[str, Any]:
+    """Per net and accumulation setting of ``timing`` (runs by variant): the step medians per variant, their
+    threads and ``row(samples, runs by variant, accumulate)``'s estimates; a run's steps are resampled whole."""
+    analysis: dict[str, Any] = {}
+    for net, by_acc in timing.items():
+        for acc, by_variant in by_acc.items():
+            samples = {v: [run["step_s"] for run in runs] for v, runs in by_variant.items()}
+            threads = {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()}
+            analysis.setdefault(net, {})[acc] = {"step_s": medians(samples), "threads": threads} | row(
+                samples, by_variant, int(acc)
+            )
+    return analysis
+
+
+def step_table(label: Callable, row: dict[str, Any], headers: Sequence[str], cells: Callable) -> list[str]:
+    """A setting's variants: label, threads, median step with its CI, steps, then ``headers``: ``cells(variant)``."""
+    rows = [
+        [label(v), ", ".join(map(str, row["threads"][v])), fmt_value(step, "s"), step["n"], *cells(v)]
+        for v, step in row["step_s"].items()
+    ]
+    return table(["variant", "threads", "step", "steps", *headers], rows)
+
+
+def setting_title(cfg: dict[str, Any], net: str, acc: str) -> str:
+    return f"### {net} net (batch {cfg['nets'][net]['batch_size']} per process), accumulate {acc}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,17 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
 from benchmarks.harness import (
+    Panel,
     fmt_value,
     headline_row,
     interleave,
-    make_record,
-    median_ci,
+    medians,
     parse,
     parser,
-    plot_estimates,
-    ratio_ci,
-    report,
+    publish,
+    ratios,
+    run_benchmark,
     table,
-    wait_for_quiet,
-    write_record,
 )
 from lit_cifar.data import TensorImageDataset
 from lit_cifar.transforms import CIFAR100_MEAN, CIFAR100_STD, augment, normalize
@@ -57,9 +54,8 @@ SPEEDUPS = {
 
 
 def _pil_transform() -> T.Compose:
-    return T.Compose(
-        [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CIFAR100_MEAN, CIFAR100_STD)]
-    )
+    crop_and_flip = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+    return T.Compose([*crop_and_flip, T.ToTensor(), T.Normalize(CIFAR100_MEAN, CIFAR100_STD)])
 
 
 class _PILDataset(Dataset):
@@ -87,23 +83,15 @@ def _kernel_samples(images: torch.Tensor, batch_size: int, rounds: int) -> dict[
     interleaved like the epochs; one sample per call."""
     batch = images[:batch_size]
     arrays = itertools.cycle(batch.permute(0, 2, 3, 1).numpy())
-    timers = {  # name: (images per statement, statements per sample, timer)
-        "pil_transform": (
-            1,
-            64,
-            Timer(
-                "tf(Image.fromarray(next(arrays)))", globals={"arrays": arrays, "tf": _pil_transform(), "Image": Image}
-            ),
-        ),
-        "batched_transform": (
-            batch_size,
-            4,
-            Timer("normalize(augment(batch))", globals={"batch": batch, "normalize": normalize, "augment": augment}),
-        ),
-    }
-    return interleave(
-        list(timers), rounds, lambda name, _: timers[name][0] / timers[name][2].timeit(timers[name][1]).median
-    )
+    pil = Timer("tf(Image.fromarray(next(arrays)))", globals={"arrays": arrays, "tf": _pil_transform(), "Image": Image})
+    batched = Timer("normalize(augment(batch))", globals={"batch": batch, "normalize": normalize, "augment": augment})
+    timers = {"pil_transform": (1, 64, pil), "batched_transform": (batch_size, 4, batched)}
+
+    def images_per_s(name: str, _: int) -> float:
+        images_per_statement, statements_per_sample, timer = timers[name]
+        return images_per_statement / timer.timeit(statements_per_sample).median
+
+    return interleave(list(timers), rounds, images_per_s)
 
 
 def measure(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +114,7 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def estimates(samples: dict[str, list[float]]) -> dict[str, Any]:
     """Medians and speed-ups (CIs) of the rates; a sample is one round (an epoch, or one Timer call)."""
-    return {
-        "images_per_s": {name: asdict(median_ci(values)) for name, values in samples.items()},
-        "speedups": {key: asdict(ratio_ci(*(samples[k] for k in key.split("/")))) for key in SPEEDUPS},
-    }
+    return {"images_per_s": medians(samples), "speedups": ratios(samples, [key.split("/") for key in SPEEDUPS])}
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -151,14 +136,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--images", type=int, help=f"images per epoch (default {FULL['images']:,})")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main process")
-    args = parse(p, argv)
+    args = parse(p, argv, FULL, QUICK)
     torch.set_num_threads(args.threads)
-    cfg = {**(QUICK if args.quick else FULL), "torch_threads": torch.get_num_threads()}
-    cfg.update({k: v for k, v in (("images", args.images), ("rounds", args.rounds)) if v is not None})
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
-    record = make_record("data_pipeline", cfg, quiet.finish(), argv=argv, **measure(cfg))
-    write(record, args.out)
-    return record
+    cfg = args.cfg | {"torch_threads": torch.get_num_threads()}
+    return run_benchmark(
+        "data_pipeline", cfg, argv, write, lambda: measure(cfg), args.out, args.max_wait_s, timed=False
+    )
 
 
 def write(record: dict[str, Any], out: Path) -> None:
@@ -166,42 +149,25 @@ def write(record: dict[str, Any], out: Path) -> None:
     cfg = record["config"]
     record.update(estimates(record["samples_images_per_s"]))
     record["headline"] = headline(record)
-    rates = [[name, fmt_value(e, "images/s")] for name, e in record["images_per_s"].items()]
-    write_record(
-        out,
-        record,
-        report(
-            record,
-            TITLE,
-            [
-                f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads "
-                f"{cfg['torch_threads']}; "
-                f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: "
-                "the "
-                f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` "
-                "`Timer.timeit` "
-                "samples each (64 single images / 4 batches per sample).",
-                "",
-                *table(["path", "images/s, median [95 % CI]"], rates),
-                "",
-                "![throughput](throughput.png)",
-            ],
-        ),
+    rates = record["images_per_s"]
+    body = [
+        f"{cfg['images']:,} random uint8 images, batch {cfg['batch_size']}, torch threads {cfg['torch_threads']}; "
+        f"{cfg['rounds']} interleaved rounds of one epoch per path after a warm-up epoch. `*_transform` rows: the "
+        f"transforms alone, no DataLoader: {cfg['kernel_rounds']} interleaved `torch.utils.benchmark` `Timer.timeit` "
+        "samples each (64 single images / 4 batches per sample).",
+        "",
+        *table("path | images/s, median [95 % CI]", [[name, fmt_value(e, "images/s")] for name, e in rates.items()]),
+        "",
+        "![throughput](throughput.png)",
+    ]
+    panel = Panel(
+        "CIFAR train augmentation, CPU",
+        "images / s (median)",
+        list(rates),
+        {"images/s": list(rates.values())},
+        log=True,
     )
-    plot_estimates(
-        out / "throughput.png",
-        [
-            {
-                "title": "CIFAR train augmentation, CPU",
-                "ylabel": "images / s (median)",
-                "log": True,
-                "groups": list(record["images_per_s"]),
-                "series": {"images/s": list(record["images_per_s"].values())},
-            }
-        ],
-        TITLE,
-        record["quietness"]["comparable"],
-    )
+    publish(out, record, TITLE, body, {"throughput.png": (TITLE, [panel])})
 
 
 if __name__ == "__main__":

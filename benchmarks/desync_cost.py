@@ -16,7 +16,6 @@ per rank, 20 BatchNorm layers: the per-collective cost shows)::
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import harness  # statistics and the record; only main() and the workers use it
+from benchmarks import harness
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
+from measure.stats import difference_ci, median_ci, ratio_ci
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
 from strategies.options import CustomDDPOptions
@@ -42,9 +42,8 @@ def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int)
     factory, batch = NETS[net]
     checked = dist.get_debug_level() == dist.DebugLevel.DETAIL  # inherited from _measure through fork
     transport = CustomDDPOptions(desync_check=checked).grad_sync.grad_transport  # the strategy's choice
-    model = SyncedDataParallel(
-        SyncBatchNorm.convert(factory(num_classes=100)), carry_rank_status=True, grad_transport=transport
-    )
+    layers = SyncBatchNorm.convert(factory(num_classes=100))
+    model = SyncedDataParallel(layers, carry_rank_status=True, grad_transport=transport)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
     flag = torch.zeros(1, dtype=torch.int64)
@@ -64,13 +63,26 @@ def _steps_worker(rank: int, world_size: int, net: str, warmup: int, steps: int)
 def _measure(net: str, mode: str, warmup: int, steps: int) -> dict[str, Any]:
     dist.set_debug_level(dist.DebugLevel.DETAIL if mode == "detail" else dist.DebugLevel.OFF)
     try:  # fork: the workers inherit the debug level and wrap their process group with it
-        with tempfile.TemporaryDirectory() as tmp:
-            per_rank = run_workers(
-                _steps_worker, 2, args=(net, warmup, steps), init_file=Path(tmp) / "store", timeout_s=600
-            )
+        per_rank = run_workers(_steps_worker, 2, args=(net, warmup, steps), timeout_s=600)
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
-    return {"times": harness.slowest_rank([r["times"] for r in per_rank]), "collectives": per_rank[0]["collectives"]}
+    return {"times": harness.slowest_ranks(per_rank, ["times"])["times"], "collectives": per_rank[0]["collectives"]}
+
+
+def _net_row(net: str, rounds: int, steps: int) -> dict[str, Any]:
+    """One net's step with the check and without, in interleaved rounds of fresh process groups."""
+    runs = harness.interleave(MODES, rounds, lambda mode, _: _measure(net, mode, 2, steps))
+    off, on = ([run["times"] for run in runs[mode]] for mode in MODES)  # runs: resampled whole
+    return {
+        "net": net,
+        "batch": NETS[net][1],
+        "collectives": runs["off"][0]["collectives"],
+        "threads": 1,
+        "off_s": asdict(median_ci(off)),
+        "detail_s": asdict(median_ci(on)),
+        "cost_s": asdict(difference_ci(on, off)),
+        "ratio": asdict(ratio_ci(on, off)),
+    }
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -88,30 +100,16 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, rounds, steps, quiet = harness.parse_step_rounds(
-        "desync_cost", __doc__, argv, rounds=4, steps=8, quick=(1, 2)
-    )
-    rows = []
-    for net, (_, batch) in NETS.items():
-        runs = harness.interleave(MODES, rounds, lambda mode, _, net=net: _measure(net, mode, 2, steps))
-        off, on = ([run["times"] for run in runs[mode]] for mode in MODES)  # runs: resampled whole
-        rows.append(
-            {
-                "net": net,
-                "batch": batch,
-                "collectives": runs["off"][0]["collectives"],
-                "threads": 1,
-                "off_s": asdict(harness.median_ci(off)),
-                "detail_s": asdict(harness.median_ci(on)),
-                "cost_s": asdict(harness.difference_ci(on, off)),
-                "ratio": asdict(harness.ratio_ci(on, off)),
-            }
-        )
-    record = harness.make_record("desync_cost", {"rounds": rounds, "steps": steps}, quiet.finish(), argv, rows=rows)
+def _publish(record: dict[str, Any], out: Path) -> None:  # not write(): the record keeps no samples to re-derive
     record["headline"] = headline(record)
-    harness.write_record(args.out, record, harness.report(record, TITLE, []))
-    return record
+    harness.publish(out, record, TITLE, [])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, rounds, steps = harness.parse_step_rounds("desync_cost", __doc__, argv, rounds=4, steps=8, quick=(1, 2))
+    measure = lambda: {"rows": [_net_row(net, rounds, steps) for net in NETS]}  # noqa: E731
+    config = {"rounds": rounds, "steps": steps}
+    return harness.run_benchmark("desync_cost", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False)
 
 
 if __name__ == "__main__":

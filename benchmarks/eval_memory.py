@@ -10,7 +10,6 @@ peak-RSS mark is reset right after, so the growth is what sharding and evaluatio
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers custom_ddp)
-from benchmarks.harness import fmt_bytes, headline_row, make_record, parse, parser, report, wait_for_quiet, write_record
+from benchmarks.harness import fmt_bytes, headline_row, parse, parser, publish, run_benchmark
 from measure.memory import PeakMemory
 from strategies.custom_ddp import CustomDDPStrategy
 
@@ -48,27 +47,29 @@ class _LargeEvalModule(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(self.net(images.flatten(1)), labels), sync_dist=True)
 
     def on_validation_end(self) -> None:
-        peak = self.probe.stop()["peak_bytes"]
-        record = {
-            "rank": self.global_rank,
-            "threads": torch.get_num_threads(),
-            "baseline_bytes": self.baseline,
-            "peak_growth_bytes": peak - self.baseline,
-        }
+        growth = self.probe.stop()["peak_bytes"] - self.baseline
+        rank, threads = self.global_rank, torch.get_num_threads()
+        record = {"rank": rank, "threads": threads, "baseline_bytes": self.baseline, "peak_growth_bytes": growth}
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
 def headline(record: dict) -> list[dict]:
     """Each rank's peak RSS growth while validating the set."""
+    validated = f"peak RSS growth while validating {fmt_bytes(record['eval_set_bytes'])} under custom_ddp"
     return [
-        headline_row(
-            f"rank {r['rank']} ({r['threads']} intra-op threads): peak RSS growth while validating "
-            f"{fmt_bytes(record['eval_set_bytes'])} under custom_ddp",
-            r["peak_growth_bytes"],
-            "B",
-        )
+        headline_row(f"rank {r['rank']} ({r['threads']} intra-op threads): {validated}", r["peak_growth_bytes"], "B")
         for r in record["ranks"]
     ]
+
+
+def _publish(record: dict, out: Path) -> None:  # not write(): kept as measured, the record has nothing to re-derive
+    record["headline"] = headline(record)
+    before = (
+        f"{record['config']['num_samples']} float32 samples of {_SAMPLE_SHAPE}. Before scatter-by-indices (tree "
+        "23514fd, which sent the samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 "
+        "+130.0 MiB."
+    )
+    publish(out, record, TITLE, [before])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -79,44 +80,25 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     num_samples = int((16.0 if args.quick else args.mb) * _MIB / (4 * torch.Size(_SAMPLE_SHAPE).numel()))
+    strategy = CustomDDPStrategy(start_method="fork", timeout=300)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CustomDDPStrategy(start_method="fork", timeout=300),
+        strategy=strategy,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
-    started = time.perf_counter()
-    trainer.validate(_LargeEvalModule(num_samples, args.batch_size, args.out), verbose=False)
-    ranks = [json.loads((args.out / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in range(2):
-        (args.out / f"rank{r}.json").unlink()
-    record = make_record(
-        "eval_memory",
-        {"num_samples": num_samples, "batch_size": args.batch_size},
-        quiet.finish(),
-        argv=argv,
-        eval_set_bytes=num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(),
-        wall_s=time.perf_counter() - started,
-        ranks=ranks,
-    )
-    record["headline"] = headline(record)
-    write_record(
-        args.out,
-        record,
-        report(
-            record,
-            TITLE,
-            [
-                f"{num_samples} float32 samples of {_SAMPLE_SHAPE}. Before scatter-by-indices (tree 23514fd, which "
-                "sent the "
-                "samples from rank 0) the same command measured rank 0 +655.4 MiB and rank 1 +130.0 MiB."
-            ],
-        ),
-    )
-    return record
+
+    def measure() -> dict:
+        trainer.validate(_LargeEvalModule(num_samples, args.batch_size, args.out), verbose=False)
+        ranks = [json.loads((args.out / f"rank{r}.json").read_text()) for r in range(2)]
+        for r in range(2):
+            (args.out / f"rank{r}.json").unlink()
+        return {"eval_set_bytes": num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(), "ranks": ranks}
+
+    config = {"num_samples": num_samples, "batch_size": args.batch_size}
+    return run_benchmark("eval_memory", config, argv, _publish, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

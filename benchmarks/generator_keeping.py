@@ -18,7 +18,6 @@ the step for the interpreter and the core. Also timed on its own, in this proces
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
@@ -33,6 +32,7 @@ from torch import nn
 from benchmarks import harness
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import TemplateNet
+from measure.stats import difference_ci, in_runs, ratio_ci
 from parallel.grad_sync import SyncedDataParallel
 from parallel.rng_state import encode_rng_state, rng_state
 from parallel.syncbn import SyncBatchNorm
@@ -74,9 +74,8 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
 
         return run
 
-    times = harness.timed_rounds(
-        {mode: step(keeper) for mode, keeper in keepers.items()}, {"warmup": warmup, "rounds": rounds, "iters": steps}
-    )
+    cfg = {"warmup": warmup, "rounds": rounds, "iters": steps}
+    times = harness.timed_rounds({mode: step(keeper) for mode, keeper in keepers.items()}, cfg)
     for keeper in keepers.values():
         if keeper is not None:
             keeper.close()
@@ -85,16 +84,32 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
 
 def _measure(warmup: int, rounds: int, steps: int) -> dict[str, list[float]]:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_workers(
-            _steps_worker, 2, args=(server.port, warmup, rounds, steps), init_file=Path(tmp) / "store", timeout_s=600
-        )
-    return {mode: harness.slowest_rank([times[mode] for times in per_rank]) for mode in MODES}
+    return harness.slowest_ranks(
+        run_workers(_steps_worker, 2, args=(server.port, warmup, rounds, steps), timeout_s=600)
+    )
 
 
 def _time_calls(call: Callable[[], Any], calls: int) -> list[float]:
     timer = torch.utils.benchmark.Timer("call()", globals={"call": call}, num_threads=1)
     return [timer.timeit(50).mean for _ in range(calls)]  # a sample: the mean of 50 calls
+
+
+def _sections(rounds: int, steps: int) -> dict[str, Any]:
+    """The step per mode (its rounds resampled whole), its cost and ratio against ``off``; reading and
+    encoding the generators, timed on their own."""
+    times = {mode: in_runs(samples, steps) for mode, samples in _measure(3, rounds, steps).items()}
+    state = rng_state()
+    calls = {
+        "rng_state": _time_calls(rng_state, 40),
+        "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40),
+    }
+    off = times["off"]
+    return {
+        "step_s": harness.medians(times),
+        "cost_s": {mode: asdict(difference_ci(times[mode], off)) for mode in MODES[1:]},
+        "ratio": {mode: asdict(ratio_ci(times[mode], off)) for mode in MODES[1:]},
+        "call_s": harness.medians(calls),
+    }
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,34 +126,21 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     ] + [harness.headline_row(f"{what} (one call)", record["call_s"][what], "s") for what in record["call_s"]]
 
 
+def _publish(record: dict[str, Any], out: Path) -> None:  # not write(): the record keeps no samples to re-derive
+    record["headline"] = headline(record)
+    steps = [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES]
+    harness.publish(out, record, TITLE, ["## Step time", "", *harness.table("mode | step (median [95 % CI])", steps)])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, rounds, steps, quiet = harness.parse_step_rounds(
+    args, rounds, steps = harness.parse_step_rounds(
         "generator_keeping", __doc__, argv, rounds=20, steps=10, quick=(2, 2)
     )
-    times = _measure(3, rounds, steps)
-    state = rng_state()
-    calls = {
-        "rng_state": _time_calls(rng_state, 40),
-        "encode_rng_state": _time_calls(lambda: encode_rng_state(state), 40),
-    }
-    times = {mode: harness.in_runs(samples, steps) for mode, samples in times.items()}  # rounds, resampled whole
-    off = times["off"]
-    record = harness.make_record(
-        "generator_keeping",
-        {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1},
-        quiet.finish(),
-        argv,
-        step_s={mode: asdict(harness.median_ci(times[mode])) for mode in MODES},
-        cost_s={mode: asdict(harness.difference_ci(times[mode], off)) for mode in MODES[1:]},
-        ratio={mode: asdict(harness.ratio_ci(times[mode], off)) for mode in MODES[1:]},
-        call_s={what: asdict(harness.median_ci(samples)) for what, samples in calls.items()},
+    config = {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}
+    measure = lambda: _sections(rounds, steps)  # noqa: E731
+    return harness.run_benchmark(
+        "generator_keeping", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False
     )
-    record["headline"] = headline(record)
-    body = harness.table(
-        ["mode", "step (median [95 % CI])"], [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES]
-    )
-    harness.write_record(args.out, record, harness.report(record, TITLE, ["## Step time", "", *body]))
-    return record
 
 
 if __name__ == "__main__":

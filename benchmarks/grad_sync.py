@@ -32,10 +32,10 @@ from torch import nn
 
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
 from benchmarks.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
-from benchmarks.harness import finish_run, interleave, measure_peak, parse, parser, slowest_rank, wait_for_quiet
+from benchmarks.harness import interleave, parse, parser, run_benchmark, settings, slowest_ranks
 from benchmarks.launcher import run_workers
 from measure.collective_count import Window, count_collectives
-from measure.memory import return_freed_memory_above
+from measure.memory import measure_peak, return_freed_memory_above
 from parallel import host_reduce
 from parallel.grad_sync import SyncedDataParallel
 from parallel.zero import ShardedOptimizer
@@ -62,26 +62,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
 }
 REQUIRED = [NO_COMM, SINGLE, *ANCHORS]  # every exposure, speed-up and ratio needs them
 # Several rounds (fresh processes each) put run-to-run spread into the intervals.
-FULL = {
-    "mlp_width": 1024,
-    "mlp_depth": 16,
-    "mlp_batch": 64,
-    "resnet_batch": 32,
-    "warmup": 2,
-    "steps": 8,
-    "rounds": 5,
-    "probe_steps": 3,
-}
-QUICK = {
-    "mlp_width": 128,
-    "mlp_depth": 4,
-    "mlp_batch": 8,
-    "resnet_batch": 2,
-    "warmup": 1,
-    "steps": 2,
-    "rounds": 2,
-    "probe_steps": 2,
-}
+FULL, QUICK = settings(
+    {
+        "mlp_width": (1024, 128),
+        "mlp_depth": (16, 4),
+        "mlp_batch": (64, 8),
+        "resnet_batch": (32, 2),
+        "warmup": (2, 1),
+        "steps": (8, 2),
+        "rounds": (5, 2),
+        "probe_steps": (3, 2),
+    }
+)
 
 
 def build_model(name: str, cfg: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -106,9 +98,10 @@ def _setup(rank: int, model_name: str, variant: str, cfg: dict[str, Any]) -> tup
     sdp = functools.partial(SyncedDataParallel, broadcast_buffers=False)
     wrap = {"sdp": sdp, "ddp": nn.parallel.DistributedDataParallel, "single": lambda m: m}[kind]
     sgd = {"lr": 0.01, "momentum": 0.9}
+    sharded = options.get("zero1")
     optimizer = (
         ShardedOptimizer(net.parameters(), torch.optim.SGD, **sgd)
-        if options.get("zero1")
+        if sharded
         else torch.optim.SGD(net.parameters(), **sgd)
     )
     if options.get("barriers") == "gloo":  # each variant runs in fresh processes: nothing else sees this
@@ -169,16 +162,16 @@ def zero_worker(rank: int, world_size: int, model_name: str, cfg: dict[str, Any]
     torch.manual_seed(0)
     net, x, y = build_model(model_name, cfg)
     out = {"param_bytes": sum(p.numel() * p.element_size() for p in net.parameters())}
-    for name, optimizer in (
-        ("unsharded", torch.optim.AdamW(net.parameters(), lr=1e-3)),
-        ("sharded", ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3)),
-    ):
+    unsharded, sharded = (
+        torch.optim.AdamW(net.parameters(), lr=1e-3),
+        ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-3),
+    )
+    for name, optimizer in (("unsharded", unsharded), ("sharded", sharded)):
         nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
         net.zero_grad(set_to_none=True)
-        out[name] = sum(
-            v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        )
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        out[name] = sum(v.numel() * v.element_size() for v in state)
     return out
 
 
@@ -186,12 +179,9 @@ def _run(fn: Any, variant: str | None, *args: Any, world_size: int = WORLD_SIZE)
     """One fresh process group per call: ``single_all_cores`` is one rank on every core, the rest 2
     ranks of one intra-op thread each."""
     single = variant is not None and VARIANTS[variant][0] == "single"
+    args = args if variant is None else (args[0], variant, *args[1:])
     return run_workers(
-        fn,
-        1 if single else world_size,
-        args=args if variant is None else (args[0], variant, *args[1:]),
-        timeout_s=600,
-        threads=(os.cpu_count() or 1) if single else 1,
+        fn, 1 if single else world_size, args=args, timeout_s=600, threads=(os.cpu_count() or 1) if single else 1
     )
 
 
@@ -200,7 +190,7 @@ def measure_model(model_name: str, variants: list[str], cfg: dict[str, Any]) -> 
 
     def timed(variant: str, round_index: int) -> dict[str, Any]:
         per_rank = _run(step_worker, variant, model_name, cfg)
-        merged = {key: slowest_rank([r[key] for r in per_rank]) for key in ("step_s", "finish_s")}
+        merged = slowest_ranks(per_rank, ("step_s", "finish_s"))
         print(f"round {round_index} {model_name:8s} {variant:22s} {1e3 * min(merged['step_s']):8.1f} ms", flush=True)
         return merged | {"threads": per_rank[0]["threads"]}
 
@@ -218,37 +208,34 @@ def measure_model(model_name: str, variants: list[str], cfg: dict[str, Any]) -> 
     return out
 
 
+def _zero1(model: str, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ZeRO-1's AdamW state per rank against the unsharded state, on ``world_size`` ranks."""
+    per_rank = _run(zero_worker, None, model, cfg, world_size=world_size)
+    return {
+        "model": model,
+        "world_size": world_size,
+        "param_bytes": per_rank[0]["param_bytes"],
+        "unsharded_bytes": per_rank[0]["unsharded"],
+        "sharded_bytes_per_rank": [r["sharded"] for r in per_rank],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser("grad_sync", __doc__)
     p.add_argument("--models", nargs="+", choices=("mlp", "resnet18"), default=["mlp", "resnet18"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
     p.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
-    args = parse(p, argv)
-    cfg = (QUICK if args.quick else FULL) | ({"rounds": args.rounds} if args.rounds else {})
-    variants = REQUIRED + [v for v in args.variants or VARIANTS if v not in REQUIRED]
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
-    started = time.monotonic()
-    steps = {m: measure_model(m, variants, cfg) for m in args.models}
-    zero1 = [
-        {
-            "model": m,
-            "world_size": n,
-            "param_bytes": per_rank[0]["param_bytes"],
-            "unsharded_bytes": per_rank[0]["unsharded"],
-            "sharded_bytes_per_rank": [r["sharded"] for r in per_rank],
-        }
-        for m in args.models
-        for n in (2, 4)
-        for per_rank in [_run(zero_worker, None, m, cfg, world_size=n)]
-    ]
-    config = cfg | {
-        "world_size": WORLD_SIZE,
-        "backend": "gloo",
-        "device": "cpu",
-        "optimizer": "SGD(lr=0.01, momentum=0.9)",
-        "variants": {v: VARIANTS[v] for v in variants},
-    }
-    return finish_run("grad_sync", config, quiet, argv, write, args.out, started, steps=steps, zero1=zero1)
+    args = parse(p, argv, FULL, QUICK)
+    cfg, variants = args.cfg, REQUIRED + [v for v in args.variants or VARIANTS if v not in REQUIRED]
+    optimizer = "SGD(lr=0.01, momentum=0.9)"
+    config = cfg | {"world_size": WORLD_SIZE, "backend": "gloo", "device": "cpu", "optimizer": optimizer}
+    config["variants"] = {v: VARIANTS[v] for v in variants}
+
+    def measure() -> dict[str, Any]:
+        steps = {m: measure_model(m, variants, cfg) for m in args.models}
+        return {"steps": steps, "zero1": [_zero1(m, n, cfg) for m in args.models for n in (2, 4)]}
+
+    return run_benchmark("grad_sync", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

@@ -10,25 +10,24 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
-    difference_ci,
-    fmt_bytes,
-    fmt_value,
-    headline_row,
-    median_ci,
-    plot_estimates,
-    ratio_ci,
-    report,
-    share_ci,
-    table,
-    write_record,
-)
-
-__all__ = ["ANCHORS", "NO_COMM", "SINGLE", "TITLE", "analyse", "headline", "variant_row", "write"]
+from benchmarks.harness import Panel, fmt_bytes, fmt_value, headline_row, publish, table
+from measure.stats import difference_ci, median_ci, ratio_ci, share_ci
 
 TITLE = "Gradient synchronisation: SyncedDataParallel vs torch DDP (2 CPU ranks)"
 NO_COMM, SINGLE = "no_comm", "single_all_cores"
 ANCHORS = ("ddp_tuned", "ddp_default")  # the like-for-like anchor first
+# The headline's rows of bucketed 25 MiB after its ratios to the anchors: (what, variant, estimate, unit).
+_BUCKETED = (
+    ("bucketed 25 MiB: exposed communication share of the step (vs no_sync)", "", "exposed_share", "%"),
+    ("bucketed 25 MiB, bf16 / fp32 gradients, both summed by gloo: step time", "_bf16", "vs_fp32", "x"),
+    ("bucketed 25 MiB, buckets summed in shared memory / by gloo: step time", "", "vs_gloo", "x"),
+    ("bucketed 25 MiB, shared-memory sums with futex / gloo barriers: step time", "", "vs_gloo_barriers", "x"),
+    ("bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second", "", "speedup_vs_single_all_cores", "x"),
+)
+
+
+def _ratio(step: list[list[float]], pooled: dict[str, Any], other: str) -> dict[str, float] | None:
+    return asdict(ratio_ci(step, pooled[other])) if other in pooled else None
 
 
 def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[list[float]]]) -> dict[str, Any]:
@@ -37,31 +36,25 @@ def variant_row(name: str, sample: dict[str, Any], pooled: dict[str, list[list[f
     medians over the median of all steps."""
     step, base, communicates = pooled[name], pooled[NO_COMM], name not in (NO_COMM, SINGLE)
     # bf16 buckets travel through gloo (compression turns the shared-memory sum off): compare like with like.
-    fp32 = (
-        next((v for v in (f"{name.removesuffix('_bf16')}_gloo", name.removesuffix("_bf16")) if v in pooled), "")
-        if name.endswith("_bf16")
-        else ""
-    )
+    fp32 = [v for v in (f"{name.removesuffix('_bf16')}_gloo", name.removesuffix("_bf16")) if v in pooled]
     medians = [float(np.median(s)) for s in sample["step_s_by_round"] if s]  # one per round
     # images/s of 2 ranks over one all-cores process on one rank's batch: 2 x step(single) / step
     single = [[2 * s for s in steps] for steps in pooled.get(SINGLE, [])]
+    finish = sample["finish_s_by_round"]
     return {
         "variant": name,
         "step_s": asdict(median_ci(step)),
         "threads": sample.get("threads"),
-        **{f"vs_{a}": asdict(ratio_ci(step, pooled[a])) if a in pooled and a != name else None for a in ANCHORS},
+        **{f"vs_{a}": _ratio(step, pooled, a) if a != name else None for a in ANCHORS},
         "exposed_s": asdict(difference_ci(step, base)) if communicates else None,
         "exposed_share": asdict(share_ci(base, step)) if communicates else None,
         "speedup_vs_single_all_cores": asdict(ratio_ci(single, step)) if communicates and single else None,
         "round_spread": (max(medians) - min(medians)) / float(np.median(np.concatenate(step))),
-        "vs_fp32": asdict(ratio_ci(step, pooled[fp32])) if fp32 in pooled else None,
+        "vs_fp32": _ratio(step, pooled, fp32[0]) if name.endswith("_bf16") and fp32 else None,
         # The shared-memory sum (grad_transport="auto" here) against gloo's over TCP loopback.
-        **{
-            f"vs_{other}": asdict(ratio_ci(step, pooled[f"{name}_{other}"])) if f"{name}_{other}" in pooled else None
-            for other in ("gloo", "gloo_barriers")
-        },
+        **{f"vs_{other}": _ratio(step, pooled, f"{name}_{other}") for other in ("gloo", "gloo_barriers")},
         # Diagnostic only (a plain median): time blocked in finish(), blind to compute slowed by gloo.
-        "finish_s": float(np.median(np.concatenate(sample["finish_s_by_round"])))
+        "finish_s": float(np.median(np.concatenate(finish)))
         if communicates and sample["buckets"] is not None
         else None,
         "peak_bytes": sample["peak_bytes"],
@@ -87,93 +80,49 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for model, model_rows in analyse(record).items():
         by_variant = {r["variant"]: r for r in model_rows}
-        bucketed, bf16 = by_variant.get("bucketed_25mb"), by_variant.get("bucketed_25mb_bf16", {})
-        if bucketed is None:
+        if "bucketed_25mb" not in by_variant:
             continue
-        rows += [
-            headline_row(f"bucketed 25 MiB / {a.replace('_', ' ')}: step time, {model}", bucketed[f"vs_{a}"], "x")
-            for a in ANCHORS
-        ]
-        rows += [
-            headline_row(f"{what}, {model}", value, unit)
-            for what, value, unit in (
-                (
-                    "bucketed 25 MiB: exposed communication share of the step (vs no_sync)",
-                    bucketed["exposed_share"],
-                    "%",
-                ),
-                ("bucketed 25 MiB, bf16 / fp32 gradients, both summed by gloo: step time", bf16.get("vs_fp32"), "x"),
-                ("bucketed 25 MiB, buckets summed in shared memory / by gloo: step time", bucketed.get("vs_gloo"), "x"),
-                (
-                    "bucketed 25 MiB, shared-memory sums with futex / gloo barriers: step time",
-                    bucketed.get("vs_gloo_barriers"),
-                    "x",
-                ),
-                (
-                    "bucketed 25 MiB, 2 ranks / 1 process on all cores: images per second",
-                    bucketed["speedup_vs_single_all_cores"],
-                    "x",
-                ),
+        bucketed = by_variant["bucketed_25mb"]
+        for a in ANCHORS:
+            rows.append(
+                headline_row(f"bucketed 25 MiB / {a.replace('_', ' ')}: step time, {model}", bucketed[f"vs_{a}"], "x")
             )
-            if value is not None
-        ]
+        for what, suffix, key, unit in _BUCKETED:
+            value = by_variant.get(f"bucketed_25mb{suffix}", {}).get(key)
+            rows += [headline_row(f"{what}, {model}", value, unit)] if value is not None else []
     zero1 = record.get("zero1", [])
     for n in sorted({r["world_size"] for r in zero1}):  # the largest rank's state / the unsharded one, worst model
         ratio = max(max(r["sharded_bytes_per_rank"]) / r["unsharded_bytes"] for r in zero1 if r["world_size"] == n)
-        rows.append(
-            headline_row(
-                f"ZeRO-1: AdamW state of the largest rank / unsharded, {n} ranks (ideal {1 / n:g})", ratio, "x"
-            )
-        )
+        what = f"ZeRO-1: AdamW state of the largest rank / unsharded, {n} ranks (ideal {1 / n:g})"
+        rows.append(headline_row(what, ratio, "x"))
     return rows
 
 
 def _variant_table(rows: list[dict[str, Any]]) -> list[str]:
-    headers = [
-        "variant",
-        "threads",
-        "step",
-        "x ddp_tuned",
-        "x ddp_default",
-        "exposed comm",
-        "exposed share",
-        "images/s vs 1 process all cores",
-        "peak memory",
-        "collectives per step by source (payload)",
-        "buckets",
-        "round spread",
-        "diagnostic: finish() at the end of backward (median)",
-    ]
+    headers = (
+        "variant | threads | step | x ddp_tuned | x ddp_default | exposed comm | exposed share | "
+        "images/s vs 1 process all cores | peak memory | collectives per step by source (payload) | buckets | "
+        "round spread | diagnostic: finish() at the end of backward (median)"
+    )
     cells = [
-        [
-            r["variant"],
-            r["threads"],
-            fmt_value(r["step_s"], "s"),
-            fmt_value(r["vs_ddp_tuned"]),
-            fmt_value(r["vs_ddp_default"]),
-            fmt_value(r["exposed_s"], "s"),
-            fmt_value(r["exposed_share"], "%"),
-            fmt_value(r["speedup_vs_single_all_cores"]),
-            fmt_bytes(r["peak_bytes"]),
-            ", ".join(
-                f"{source} {n} ({fmt_bytes(r['collectives']['bytes'][source])})"
-                for source, n in sorted(r["collectives"]["counts"].items())
-            )
-            or "none",
-            "-" if r["buckets"] is None else r["buckets"],
-            f"{r['round_spread']:.0%}",
-            fmt_value(r["finish_s"], "s"),
-        ]
+        [r["variant"], r["threads"], fmt_value(r["step_s"], "s"), fmt_value(r["vs_ddp_tuned"])]
+        + [fmt_value(r["vs_ddp_default"]), fmt_value(r["exposed_s"], "s"), fmt_value(r["exposed_share"], "%")]
+        + [fmt_value(r["speedup_vs_single_all_cores"]), fmt_bytes(r["peak_bytes"]), _collectives(r["collectives"])]
+        + ["-" if r["buckets"] is None else r["buckets"], f"{r['round_spread']:.0%}", fmt_value(r["finish_s"], "s")]
         for r in rows
     ]
     return table(headers, cells)
 
 
+def _collectives(collectives: dict[str, dict[str, int]]) -> str:
+    counts = sorted(collectives["counts"].items())
+    return ", ".join(f"{source} {n} ({fmt_bytes(collectives['bytes'][source])})" for source, n in counts) or "none"
+
+
 _NOTES = (
     "Step: forward, backward (its end waits for the buckets: finish()), optimizer step, zero_grad; x anchor: ratio of "
-    "medians. Peak memory: "
-    "above the built model, max over ranks. Round spread: (max - min) of the per-round medians over the "
-    "median of all steps; the intervals resample rounds whole, so a large spread widens them."
+    "medians. Peak memory: above the built model, max over ranks. Round spread: (max - min) of the per-round medians "
+    "over the median of all steps; the intervals resample rounds whole, so a large spread widens them."
 )
 
 
@@ -190,37 +139,22 @@ def write(record: dict[str, Any], out_dir: Path) -> None:
     for model, rows in record["analysis"].items():
         body += ["", f"## {model}: per training step", "", *_variant_table(rows)]
     zero1 = [
-        [
-            r["model"],
-            r["world_size"],
-            fmt_bytes(r["param_bytes"]),
-            fmt_bytes(r["unsharded_bytes"]),
-            ", ".join(fmt_bytes(b) for b in r["sharded_bytes_per_rank"]),
-            f"{max(r['sharded_bytes_per_rank']) / r['unsharded_bytes']:.3f} (ideal {1 / r['world_size']:.3f})",
-        ]
+        [r["model"], r["world_size"], *map(fmt_bytes, (r["param_bytes"], r["unsharded_bytes"]))]
+        + [", ".join(fmt_bytes(b) for b in r["sharded_bytes_per_rank"])]
+        + [f"{max(r['sharded_bytes_per_rank']) / r['unsharded_bytes']:.3f} (ideal {1 / r['world_size']:.3f})"]
         for r in record["zero1"]
     ]
-    body += [
-        "",
-        _NOTES,
-        "",
-        "## ZeRO-1: AdamW state per rank",
-        "",
-        *table(
-            ["model", "ranks", "params", "AdamW state unsharded", "sharded per rank", "largest rank / unsharded"], zero1
-        ),
-        "",
-        "![step time per variant with 95 % intervals](grad_sync.png)",
-    ]
-    write_record(out_dir, record, report(record, TITLE, body))
+    headers = "model | ranks | params | AdamW state unsharded | sharded per rank | largest rank / unsharded"
+    body += ["", _NOTES, "", "## ZeRO-1: AdamW state per rank", "", *table(headers, zero1)]
+    body += ["", "![step time per variant with 95 % intervals](grad_sync.png)"]
     panels = [
-        {
-            "title": f"{model}: median step time (slower rank)",
-            "ylabel": "ms per step",
-            "scale": 1e3,
-            "groups": [r["variant"] for r in rows],
-            "series": {"step": [r["step_s"] for r in rows]},
-        }
+        Panel(
+            f"{model}: median step time (slower rank)",
+            "ms per step",
+            [r["variant"] for r in rows],
+            {"step": [r["step_s"] for r in rows]},
+            scale=1e3,
+        )
         for model, rows in record["analysis"].items()
     ]
-    plot_estimates(out_dir / "grad_sync.png", panels, TITLE, record["quietness"]["comparable"])
+    publish(out_dir, record, TITLE, body, {"grad_sync.png": (TITLE, panels)})

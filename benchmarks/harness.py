@@ -1,11 +1,14 @@
-"""The layer every benchmark shares: options, rounds, verdicts, headline, record, report, plots.
+"""The layer every benchmark shares: options, rounds, estimates, the record, its report and plots.
 
-    args = parse(parser("demo", __doc__), argv)                # --out, --quick, --max-wait-s
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)          # record load, wait for a quiet machine
-    samples = interleave(["a", "b"], rounds=5, run=measure)     # a b / b a / a b ...: drift hits both
-    record = make_record("demo", config, quiet.finish(), argv, samples=samples)
-    record["headline"] = [headline_row("a / b", ratio_ci(samples["a"], samples["b"]), "x", target=1.2)]
-    write_record(args.out, record, report(record, "Demo", body))  # results.json + results.md, report on stdout
+    args = parse(parser("demo", __doc__), argv, FULL, QUICK)  # --out, --quick, --max-wait-s; args.cfg
+    run_benchmark("demo", args.cfg, argv, write, measure, args.out, args.max_wait_s)  # quiet machine, record
+
+    def measure():                                            # the record's raw sections
+        return {"samples_s": interleave(["a", "b"], rounds=5, run=time_one)}  # a b / b a / a b ...
+
+    def write(record, out):                                   # from the record alone: rederive calls it too
+        record["headline"] = [headline_row("a / b", ratios(record["samples_s"], [("a", "b")])["a/b"], "x", 1.2)]
+        publish(out, record, "Demo", body, {"demo.png": ("Demo", panels)})  # results.json/.md, plots
 
 Intervals, quietness, peak memory and barrier-aligned times come from the Lightning-free
 measurement modules the callbacks use too (:mod:`measure.stats`, ``run_info``, ``memory``,
@@ -24,62 +27,18 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 
-from measure.memory import measure_peak
 from measure.run_info import Quietness, environment, to_jsonable, wait_for_quiet
-from measure.stats import (
-    INTERVALS,
-    Estimate,
-    difference_ci,
-    in_runs,
-    median_ci,
-    pair_ratio_ci,
-    paired_ratio_ci,
-    ratio_ci,
-    share_ci,
-)
+from measure.stats import INTERVALS, Estimate, in_runs, median_ci, ratio_ci
 from measure.timing import aligned_seconds, slowest_rank
-
-__all__ = [
-    "Estimate",
-    "Quietness",
-    "SCHEMA",
-    "aligned_seconds",
-    "difference_ci",
-    "finish_run",
-    "fmt_bytes",
-    "fmt_value",
-    "headline_row",
-    "headline_table",
-    "in_runs",
-    "interleave",
-    "machine",
-    "make_record",
-    "measure_peak",
-    "median_ci",
-    "pair_ratio_ci",
-    "paired_ratio_ci",
-    "parse",
-    "parse_step_rounds",
-    "parser",
-    "plot_estimates",
-    "ratio_ci",
-    "report",
-    "share_ci",
-    "slowest_rank",
-    "table",
-    "timed_rounds",
-    "verdict",
-    "wait_for_quiet",
-    "write_record",
-]
 
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,14 +56,16 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse ``argv`` and apply the quiet policy of the module docstring."""
+def parse(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None, full: dict | None = None, quick: dict | None = None
+) -> argparse.Namespace:
+    """Parse ``argv``, apply the quiet policy of the module docstring, refuse ``--device cuda`` without a GPU.
+    With ``full`` settings, ``args.cfg`` is ``quick`` (``--quick``) or ``full``, and every option of the same
+    name that was given on top."""
     args = p.parse_args(argv)
     name = p.get_default("benchmark")
-    if args.out is None:
-        args.out = (
-            Path(tempfile.gettempdir(), f"lit_cifar_{name}_quick") if args.quick else Path("benchmarks/results", name)
-        )
+    quick_out = Path(tempfile.gettempdir(), f"lit_cifar_{name}_quick")
+    args.out = args.out or (quick_out if args.quick else Path("benchmarks/results", name))
     if args.quick and args.out.resolve().is_relative_to(RESULTS):
         p.error(
             f"--quick never writes into the committed results, but --out {args.out} is under {RESULTS}: "
@@ -112,22 +73,53 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
         )
     if args.max_wait_s is None:
         args.max_wait_s = 0.0 if args.quick else 300.0
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU; none is visible (torch.cuda.is_available(); use --device cpu)")
+    if full is not None:
+        given = {k: v for k, v in vars(args).items() if k in full and v is not None}
+        args.cfg = (quick if args.quick else full) | given
     return args
 
 
 def parse_step_rounds(
     name: str, doc: str | None, argv: Sequence[str] | None, rounds: int, steps: int, quick: tuple[int, int]
-) -> tuple[argparse.Namespace, int, int, Quietness]:
+) -> tuple[argparse.Namespace, int, int]:
     """A benchmark of whole training steps on 1-thread ranks: its options (``--rounds``, ``--steps`` with these
-    defaults), the rounds and steps to run (``quick`` with ``--quick``), 1 intra-op thread here, and the
-    quietness record once the machine is quiet."""
+    defaults), the rounds and steps to run (``quick`` with ``--quick``), and 1 intra-op thread here."""
     p = parser(name, doc)
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--steps", type=int, default=steps)
     args = parse(p, argv)
-    rounds, steps = quick if args.quick else (args.rounds, args.steps)
     torch.set_num_threads(1)
-    return args, rounds, steps, wait_for_quiet(max_wait_s=args.max_wait_s)
+    return args, *(quick if args.quick else (args.rounds, args.steps))
+
+
+def settings(values: dict[str, tuple[Any, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``(full, quick)`` settings of a benchmark from ``{name: (full value, --quick value)}``."""
+    return {k: full for k, (full, _) in values.items()}, {k: quick for k, (_, quick) in values.items()}
+
+
+def run_benchmark(
+    benchmark: str,
+    config: dict[str, Any],
+    argv: Sequence[str] | None,
+    write: Callable[[dict[str, Any], Path], None],
+    measure: Callable[[], dict[str, Any]],
+    out: Path | str,
+    max_wait_s: float,
+    timed: bool = True,
+) -> dict[str, Any]:
+    """A benchmark's run: wait up to ``max_wait_s`` for a quiet machine, ``measure()`` the record's sections
+    (with ``timed``, ``wall_s`` too), make the record of ``config`` (which ``measure`` may complete) and
+    ``write(record, out)``; returns the record."""
+    quiet = wait_for_quiet(max_wait_s=max_wait_s)
+    started = time.monotonic()
+    sections = measure()
+    if timed:
+        sections["wall_s"] = time.monotonic() - started
+    record = make_record(benchmark, config, quiet.finish(), argv, **sections)
+    write(record, Path(out))
+    return record
 
 
 def interleave(names: Sequence[str], rounds: int, run: Callable[[str, int], _T]) -> dict[str, list[_T]]:
@@ -158,6 +150,28 @@ def timed_rounds(
         once(name)
     rounds = interleave(list(methods), cfg["rounds"], lambda name, _: [once(name) for _ in range(cfg["iters"])])
     return {name: [s for block in blocks for s in block] for name, blocks in rounds.items()}
+
+
+def slowest_ranks(per_rank: Sequence[dict[str, Any]], names: Iterable[str] | None = None) -> dict[str, list[float]]:
+    """Per series (``names``, default all): the slowest rank's time of each barrier-aligned iteration."""
+    return {name: slowest_rank([rank[name] for rank in per_rank]) for name in names or per_rank[0]}
+
+
+def medians(samples: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The median of every series of ``samples`` with its 95 % CI, as record estimates."""
+    return {name: asdict(median_ci(values)) for name, values in samples.items()}
+
+
+def ratios(samples: dict[str, Any], pairs: Iterable[tuple[str, str]], ci: Callable = ratio_ci) -> dict[str, dict]:
+    """``{"a/b": ci(samples[a], samples[b])}`` (record estimates) for every pair whose two series are kept."""
+    return {f"{a}/{b}": asdict(ci(samples[a], samples[b])) for a, b in pairs if a in samples and b in samples}
+
+
+def round_estimates(samples: dict[str, list[float]], run_length: int, pairs: Iterable[tuple[str, str]]) -> dict:
+    """:func:`medians` (``median_s``) and :func:`ratios` (``ratios``) of per-call samples kept flat in rounds of
+    ``run_length`` calls (:func:`timed_rounds`), each round resampled whole."""
+    runs = {name: in_runs(values, run_length) for name, values in samples.items()}
+    return {"median_s": medians(runs), "ratios": ratios(runs, pairs)}
 
 
 def verdict(estimate: Estimate | dict[str, float] | float, target: float, at_most: bool = True) -> Verdict:
@@ -215,17 +229,9 @@ def headline_row(
 def headline_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The headline rows as a Markdown table: what, value [95 % CI], verdict against the target."""
     shown = {"met": "met", "missed": "**missed**", "undecided": "undecided (the CI spans it)"}
-    return table(
-        ["what", "value [95 % CI]", "verdict"],
-        [
-            [
-                r["what"],
-                fmt_value(r["value"], r.get("unit", "")),
-                f"{shown[r['verdict']]}, target {r['target']}" if r.get("verdict") else "–",
-            ]
-            for r in rows
-        ],
-    )
+    verdicts = [f"{shown[r['verdict']]}, target {r['target']}" if r.get("verdict") else "–" for r in rows]
+    cells = [[r["what"], fmt_value(r["value"], r.get("unit", "")), v] for r, v in zip(rows, verdicts, strict=True)]
+    return table("what | value [95 % CI] | verdict", cells)
 
 
 def make_record(
@@ -242,25 +248,6 @@ def make_record(
         "quietness": quiet.as_dict(),
         **sections,
     }
-
-
-def finish_run(
-    benchmark: str,
-    config: dict[str, Any],
-    quiet: Quietness,
-    argv: Sequence[str] | None,
-    write: Callable[[dict[str, Any], Path], None],
-    out: Path,
-    started: float | None = None,
-    **sections: Any,
-) -> dict[str, Any]:
-    """The end of a benchmark's ``main()``: its record (``wall_s`` since ``started``, a ``time.monotonic()``),
-    written into ``out`` by the benchmark's ``write``; returns the record."""
-    if started is not None:
-        sections["wall_s"] = time.monotonic() - started
-    record = make_record(benchmark, config, quiet.finish(), argv=argv, **sections)
-    write(record, Path(out))
-    return record
 
 
 def machine(env: dict[str, Any]) -> str:
@@ -305,13 +292,11 @@ def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]
     ]
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A Markdown table."""
-    return [
-        "| " + " | ".join(headers) + " |",
-        "|" + "---|" * len(headers),
-        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
-    ]
+def table(headers: str | Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A Markdown table; ``headers`` a list or one string, ``"a | b"``."""
+    headers = headers.split(" | ") if isinstance(headers, str) else headers
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
 def write_record(out_dir: Path, record: dict[str, Any], markdown: Sequence[str]) -> None:
@@ -324,68 +309,74 @@ def write_record(out_dir: Path, record: dict[str, Any], markdown: Sequence[str])
     print("\n".join(markdown) + f"\n\nwrote {out_dir / 'results.json'} and results.md", flush=True)
 
 
-def plot_estimates(path: Path, panels: Sequence[dict[str, Any]], title: str, comparable: bool = True) -> None:
-    """The one figure maker: a panel per entry, estimates with their 95 % CI as error bars (the one
-    error-bar rule), per group (x) and series, in one style.
+def publish(
+    out: Path, record: dict[str, Any], title: str, body: Sequence[str], figures: dict[str, tuple] | None = None
+) -> None:
+    """``record`` and its :func:`report` written into ``out`` (:func:`write_record`), then every figure of
+    ``figures`` (``{file name: (title, panels)}``, :func:`plot_estimates`), flagged when the machine was busy."""
+    write_record(out, record, report(record, title, body))
+    for name, (figure_title, panels) in (figures or {}).items():
+        plot_estimates(out / name, panels, figure_title, record["quietness"]["comparable"])
 
-    A panel is ``{"title", "ylabel", "groups": [x labels], "series": {label: [estimate, number or None per group]}}``
-    with optional ``"scale"`` (e.g. 1e3: s -> ms), ``"log"`` (log y axis) and ``"lines"`` ({label: y}).
-    """
+
+@dataclass
+class Panel:
+    """One panel of :func:`plot_estimates`: per x group, per series, an estimate (a number: no interval; None:
+    no point); ``scale`` (e.g. 1e3: s -> ms), a ``log`` y axis, horizontal ``lines`` (``{label: y}``)."""
+
+    title: str
+    ylabel: str
+    groups: Sequence[str]
+    series: dict[str, Sequence[Any]]
+    scale: float = 1.0
+    log: bool = False
+    lines: dict[str, float] = field(default_factory=dict)
+
+
+_STYLE = {
+    "figure.dpi": 110,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "legend.frameon": False,
+    "font.size": 9,
+}
+
+
+def plot_estimates(path: Path, panels: Sequence[Panel], title: str, comparable: bool = True) -> None:
+    """The one figure maker: a :class:`Panel` per row, estimates with their 95 % CI as error bars (the one
+    error-bar rule), per group (x) and series, in one style."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with plt.rc_context(
-        {
-            "figure.dpi": 110,
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "legend.frameon": False,
-            "font.size": 9,
-        }
-    ):
+    with plt.rc_context(_STYLE):
         fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.8 * len(panels)), squeeze=False, layout="constrained")
         for ax, panel in zip(axes[:, 0], panels, strict=True):
-            series = {k: v for k, v in panel["series"].items() if any(e is not None for e in v)}
-            scale = panel.get("scale", 1.0)
-            for i, (label, estimates) in enumerate(series.items()):
-                offset = 0.6 * (i / (len(series) - 1) - 0.5) if len(series) > 1 else 0.0
-                xs, es = zip(
-                    *[
-                        (j + offset, e if isinstance(e, dict) else {"value": e, "low": e, "high": e})
-                        for j, e in enumerate(estimates)
-                        if e is not None
-                    ],
-                    strict=True,
-                )  # a number: no interval
-                ax.errorbar(
-                    xs,
-                    [scale * e["value"] for e in es],
-                    marker="o",
-                    linestyle="none",
-                    capsize=3,
-                    label=label,
-                    yerr=[
-                        [scale * (e["value"] - e["low"]) for e in es],
-                        [scale * (e["high"] - e["value"]) for e in es],
-                    ],
-                )
-            for label, y in panel.get("lines", {}).items():
-                ax.axhline(y, color="grey", linestyle="--", linewidth=1, label=label)
-            tilt = len(panel["groups"]) > 6
-            ax.set_xticks(
-                range(len(panel["groups"])),
-                panel["groups"],
-                rotation=30 if tilt else 0,
-                ha="right" if tilt else "center",
-            )
-            ax.set(title=panel["title"], ylabel=panel["ylabel"], yscale="log" if panel.get("log") else "linear")
-            ax.legend(fontsize=7, ncol=3)
-        fig.suptitle(
-            title if comparable else f"NOT COMPARABLE (busy machine): {title}", color=None if comparable else "tab:red"
-        )
+            _draw(ax, panel)
+        shown = title if comparable else f"NOT COMPARABLE (busy machine): {title}"
+        fig.suptitle(shown, color=None if comparable else "tab:red")
         fig.savefig(path)
         plt.close(fig)
+
+
+def _draw(ax: Any, panel: Panel) -> None:
+    series = {k: v for k, v in panel.series.items() if any(e is not None for e in v)}
+    for i, (label, estimates) in enumerate(series.items()):
+        offset = 0.6 * (i / (len(series) - 1) - 0.5) if len(series) > 1 else 0.0
+        shown = [(j + offset, e) for j, e in enumerate(estimates) if e is not None]
+        # an estimate's value and CI bounds, a plain number without an interval
+        value, low, high = (
+            panel.scale * np.array([e[k] if isinstance(e, dict) else e for _, e in shown], dtype=float)
+            for k in ("value", "low", "high")
+        )
+        xs = [x for x, _ in shown]
+        ax.errorbar(xs, value, yerr=[value - low, high - value], marker="o", linestyle="none", capsize=3, label=label)
+    for label, y in panel.lines.items():
+        ax.axhline(y, color="grey", linestyle="--", linewidth=1, label=label)
+    tilt = len(panel.groups) > 6
+    ax.set_xticks(range(len(panel.groups)), panel.groups, rotation=30 if tilt else 0, ha="right" if tilt else "center")
+    ax.set(title=panel.title, ylabel=panel.ylabel, yscale="log" if panel.log else "linear")
+    ax.legend(fontsize=7, ncol=3)

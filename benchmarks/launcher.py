@@ -34,17 +34,9 @@ __all__ = ["LAUNCH_VARIABLES", "WorkerError", "run_workers", "without_launch_var
 # Rendezvous variables a launcher exports; Lightning's fork/spawn launcher leaves MASTER_PORT in the
 # parent's environment. Inherited by a later process, they make it reuse a stale port or believe it is
 # a launched child.
-LAUNCH_VARIABLES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
+LAUNCH_VARIABLES = tuple(
+    "MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK NODE_RANK GROUP_RANK LOCAL_WORLD_SIZE PL_GLOBAL_SEED "
+    "PL_SEED_WORKERS".split()
 )
 
 
@@ -57,29 +49,13 @@ class WorkerError(RuntimeError):
     """A worker process raised; the message carries its rank and traceback."""
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    init_method: str,
-    backend: str,
-    timeout_s: float,
-    threads: int,
-    results: Any,
-) -> None:
+def _worker(rank: int, fn: Callable[..., Any], args: Sequence[Any], group: dict, threads: int, results: Any) -> None:
     # One intra-op thread per rank: on a 2-core machine more only oversubscribes the cores.
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        dist.init_process_group(rank=rank, **group)
         try:
-            out = fn(rank, world_size, *args)
+            out = fn(rank, group["world_size"], *args)
         finally:
             dist.destroy_process_group()
         # Plain pickle copies tensors by value. The queue's own pickler would share their
@@ -133,15 +109,14 @@ def run_workers(
         raise ValueError(f"init_file {os.fspath(init_file)!r} already exists; pass a fresh path")
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    init_method = f"file://{os.path.abspath(init_file)}"
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, fn, args, init_method, backend, timeout_s, threads, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    group = {
+        "backend": backend,
+        "init_method": f"file://{os.path.abspath(init_file)}",
+        "world_size": world_size,
+        "timeout": timedelta(seconds=timeout_s),
+    }
+    worker_args = [(rank, fn, args, group, threads, results) for rank in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=a, daemon=True) for a in worker_args]
     for proc in procs:
         proc.start()
     grace_s = 0.0  # after a failure, peers still blocked in a collective are killed at once

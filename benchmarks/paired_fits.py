@@ -33,6 +33,7 @@ bound is above 1.00.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -43,39 +44,29 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks import compare_runs
 from benchmarks.compare_runs import (
     MATCHED_THREADS,
     REPO_ROOT,
     VARIANTS,
     call_logged,
     fit_flags,
+    fits_parser,
+    interleaved_fits,
     monitor_flags,
     read_monitor,
     run_settings,
+    setting_title,
     short_fit_flags,
+    step_rows,
+    step_table,
 )
-from benchmarks.harness import (
-    finish_run,
-    fmt_value,
-    interleave,
-    median_ci,
-    pair_ratio_ci,
-    paired_ratio_ci,
-    parse,
-    parser,
-    ratio_ci,
-    report,
-    table,
-    wait_for_quiet,
-    write_record,
-)
+from benchmarks.harness import fmt_value, medians, parse, publish, ratios, run_benchmark, table
+from measure.stats import pair_ratio_ci, paired_ratio_ci
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
 # ResNet-18 steps: more pairs of shorter fits pin the ratio down better than fewer long ones).
-NETS = {
-    "template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
-    "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 4},
-}
+NETS = compare_runs.NETS | {"resnet18": compare_runs.NETS["resnet18"] | {"steps": 4}}
 TITLE = "custom_ddp vs Lightning ddp, paired fits in one pair of CPU ranks, synthetic data"
 DEFAULT_VARIANTS = ("custom_ddp_localbn", "ddp_tuned")
 RATIOS = (
@@ -92,25 +83,17 @@ def _timed_fit(cfg: dict[str, Any], net: str, variant: str, accumulate: int, pai
     """One Lightning fit of ``variant`` as ``train.py fit`` builds it; rank 0 returns its timing, the others None."""
     import train  # Lightning: the worker's import only, the parent stays light
 
-    setting = cfg["nets"][net]
+    warmup, steps = cfg["nets"][net]["warmup_steps"], cfg["nets"][net]["steps"]
     run_dir = Path(cfg["out"], "work", f"{net}_{variant}_acc{accumulate}_pair{pair}")
-    flags = fit_flags(
-        cfg,
-        net,
-        variant,
-        accumulate,
-        short_fit_flags(run_dir, accumulate, setting["warmup_steps"] + setting["steps"]),
-        *monitor_flags(setting["warmup_steps"]),
-    )
+    short_fit = short_fit_flags(run_dir, accumulate, warmup + steps)
+    flags = fit_flags(cfg, net, variant, accumulate, short_fit, *monitor_flags(warmup))
     started = time.perf_counter()
     cli = train.main(args=flags, run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall_s = time.perf_counter() - started
-    return (
-        {"pair": pair, "wall_s": wall_s, **read_monitor(run_dir, micro_batches=True)}
-        if cli.trainer.is_global_zero
-        else None
-    )
+    if not cli.trainer.is_global_zero:
+        return None
+    return {"pair": pair, "wall_s": wall_s, **read_monitor(run_dir, micro_batches=True)}
 
 
 def worker(config_path: Path) -> None:
@@ -118,17 +101,7 @@ def worker(config_path: Path) -> None:
     writes the runs to ``out/work/timing.json``."""
     cfg = json.loads(config_path.read_text())
     del sys.argv[1:]  # LightningCLI warns when given args next to a command line: the fits' args are all there is
-    timing = {
-        net: {
-            str(acc): interleave(
-                cfg["variants_by_net"][net],
-                cfg["pairs"],
-                lambda v, i, net=net, acc=acc: _timed_fit(cfg, net, v, acc, i),
-            )
-            for acc in cfg["accumulates"]
-        }
-        for net in cfg["nets"]
-    }
+    timing = interleaved_fits(cfg, cfg["variants_by_net"], cfg["pairs"], functools.partial(_timed_fit, cfg))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(cfg["out"], "work", _TIMING_FILE).write_text(json.dumps(timing))
 
@@ -137,37 +110,18 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
     """Start the 2 ranks with torchrun and read rank 0's timing from ``out/work`` (with the ranks' output;
     :func:`main` removes it once the record is written, and keeps it when anything failed)."""
     work = Path(cfg["out"], "work")
-    log = work / "paired_fits.txt"
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(cfg))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "benchmarks.paired_fits",
-        "--worker",
-        str(work / "config.json"),
-    ]
-    call_logged(command, log, cfg["timeout_s"], MATCHED_THREADS)
-    return _without_repeats(json.loads((work / _TIMING_FILE).read_text()))
-
-
-def _without_repeats(timing: dict[str, Any]) -> dict[str, Any]:
-    """The runs, each fit's run description (strategy options, versions: the same in every pair) kept on
-    the first pair's runs only: hundreds of fits would repeat it hundreds of times."""
-    return {
-        net: {
-            acc: {
-                v: [run if run["pair"] == 0 else {k: x for k, x in run.items() if k != "recorded"} for run in runs]
-                for v, runs in by_variant.items()
-            }
-            for acc, by_variant in by_acc.items()
-        }
-        for net, by_acc in timing.items()
-    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command = [*torchrun, "-m", "benchmarks.paired_fits", "--worker", str(work / "config.json")]
+    call_logged(command, work / "paired_fits.txt", cfg["timeout_s"], MATCHED_THREADS)
+    timing = json.loads((work / _TIMING_FILE).read_text())
+    # Each fit's run description (strategy options, versions: the same in every pair) kept on the first
+    # pair's runs only: hundreds of fits would repeat it hundreds of times.
+    for by_variant in (by_variant for by_acc in timing.values() for by_variant in by_acc.values()):
+        for run in (run for runs in by_variant.values() for run in runs if run["pair"] != 0):
+            run.pop("recorded", None)
+    return timing
 
 
 # Analysis, headline and report: from the record alone.
@@ -187,21 +141,18 @@ def _micro_batches(runs: list[dict[str, Any]], accumulate: int) -> dict[str, lis
     }
 
 
-def _analyse_setting(by_variant: dict[str, list[dict[str, Any]]], accumulate: int) -> dict[str, Any]:
-    samples = {v: [run["step_s"] for run in runs] for v, runs in by_variant.items()}
-    pairs = [(a, b) for a, b in RATIOS if a in samples and b in samples]
+def _pair_estimates(samples: dict[str, list], by_variant: dict[str, list], accumulate: int) -> dict[str, Any]:
+    """Every ratio per pair, pooled with the pairs drawn together and drawn apart; when accumulating, the
+    syncing and the accumulating micro-batches' medians and per-pair ratios."""
     row = {
-        "step_s": {v: asdict(median_ci(s)) for v, s in samples.items()},
-        "threads": {v: sorted({run["threads"] for run in runs}) for v, runs in by_variant.items()},
-        "per_pair": {f"{a}/{b}": asdict(pair_ratio_ci(samples[a], samples[b])) for a, b in pairs},
-        "paired": {f"{a}/{b}": asdict(paired_ratio_ci(samples[a], samples[b])) for a, b in pairs},
-        "apart": {f"{a}/{b}": asdict(ratio_ci(samples[a], samples[b])) for a, b in pairs},
+        "per_pair": ratios(samples, RATIOS, pair_ratio_ci),
+        "paired": ratios(samples, RATIOS, paired_ratio_ci),
+        "apart": ratios(samples, RATIOS),
     }
     if accumulate > 1 and all("micro_batch_s" in run for runs in by_variant.values() for run in runs):
         kinds = {v: _micro_batches(runs, accumulate) for v, runs in by_variant.items()}
-        row["micro_batch_s"] = {
-            v: {k: asdict(median_ci(s)) for k, s in by_kind.items()} for v, by_kind in kinds.items()
-        }
+        pairs = [(a, b) for a, b in RATIOS if a in kinds and b in kinds]
+        row["micro_batch_s"] = {v: medians(by_kind) for v, by_kind in kinds.items()}
         row["micro_batch_per_pair"] = {
             f"{a}/{b}": {k: asdict(pair_ratio_ci(kinds[a][k], kinds[b][k])) for k in kinds[a]} for a, b in pairs
         }
@@ -212,31 +163,43 @@ def analyse(timing: dict[str, Any]) -> dict[str, Any]:
     """Per net and setting: step medians per variant, every ratio per pair, pooled with pairs drawn together
     and drawn apart, and (when accumulating) the syncing and the accumulating micro-batches' medians and
     per-pair ratios."""
-    return {
-        net: {acc: _analyse_setting(by_variant, int(acc)) for acc, by_variant in by_acc.items()}
-        for net, by_acc in timing.items()
-    }
+    return step_rows(timing, _pair_estimates)
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per net and setting for the target's ratio (its verdict), the other ratios without one."""
-    rows, label = [], lambda v: VARIANTS[v].label  # noqa: E731
+    rows = []
     target = f"<= {TARGET['at_most']:.2f}, CI high < {TARGET['upper_bound_below']:.2f}"
     for net, by_acc in record["analysis"].items():
         for acc, row in by_acc.items():
             for key, estimate in row["per_pair"].items():
                 a, b = key.split("/")
-                judged = (a, b) == RATIOS[0]
-                rows.append(
-                    {
-                        "what": f"{label(a)} / {label(b)}: step time, paired fits (geometric mean of the pairs' "
-                        f"ratios), {net} net, accumulate {acc}",
-                        "value": estimate,
-                        "unit": "x",
-                        **({"target": target, "verdict": _target_verdict(estimate)} if judged else {}),
-                    }
-                )
+                what = f"{VARIANTS[a].label} / {VARIANTS[b].label}: step time, paired fits (geometric mean of the "
+                what += f"pairs' ratios), {net} net, accumulate {acc}"
+                judged = {"target": target, "verdict": _target_verdict(estimate)} if (a, b) == RATIOS[0] else {}
+                rows.append({"what": what, "value": estimate, "unit": "x", **judged})
     return rows
+
+
+def _setting_tables(row: dict[str, Any]) -> list[str]:
+    """Step medians per variant, the ratios paired and apart; when accumulating, the micro-batches' split."""
+    micro, kinds = row.get("micro_batch_s", {}), ("syncing", "accumulating")
+    micro_headers = [f"{k} micro-batch" for k in kinds] if micro else []
+    micro_cells = lambda v: [fmt_value(micro[v][k], "s") for k in kinds] if micro else []  # noqa: E731
+    headers = "ratio of median step times | per pair, geometric mean [95 % CI] | pooled, pairs drawn together"
+    headers += " | pooled, runs drawn apart"
+    cells = [
+        [k, fmt_value(e), fmt_value(row["paired"][k]), fmt_value(row["apart"][k])] for k, e in row["per_pair"].items()
+    ]
+    lines = [*step_table(lambda v: VARIANTS[v].label, row, micro_headers, micro_cells), "", *table(headers, cells)]
+    if micro:
+        split = [[k, *(fmt_value(e[kind]) for kind in kinds)] for k, e in row["micro_batch_per_pair"].items()]
+        lines += ["", *table(["ratio of median micro-batch times, per pair, geometric mean", *kinds], split), ""]
+        lines += [
+            "The syncing micro-batch is the last of each step: its backward syncs the gradients and the "
+            "optimizer steps after it; the accumulating ones communicate on neither side."
+        ]
+    return lines
 
 
 def write(record: dict[str, Any], out: Path) -> None:
@@ -244,101 +207,39 @@ def write(record: dict[str, Any], out: Path) -> None:
     cfg = record["config"]
     record["analysis"] = analyse(record["timing"])
     record["headline"] = headline(record)
-    body = [
-        f"Pairs of fits per setting: {cfg['pairs']}; {'; '.join(f'{n}: {s}' for n, s in cfg['nets'].items())}. "
-        "Variants: "
-        + "; ".join(f"**{VARIANTS[v].label}** (`{v}`): {VARIANTS[v].description}" for v in cfg["variants"])
-        + ".",
-        "",
-    ]
+    variants = "; ".join(f"**{VARIANTS[v].label}** (`{v}`): {VARIANTS[v].description}" for v in cfg["variants"])
+    nets = "; ".join(f"{n}: {s}" for n, s in cfg["nets"].items())
+    body = [f"Pairs of fits per setting: {cfg['pairs']}; {nets}. Variants: {variants}.", ""]
     for net, by_acc in record["analysis"].items():
         for acc, row in by_acc.items():
-            body += [
-                f"### {net} net (batch {cfg['nets'][net]['batch_size']} per process), accumulate {acc}",
-                "",
-                *_setting_tables(row),
-                "",
-            ]
-    write_record(out, record, report(record, TITLE, body))
-
-
-def _setting_tables(row: dict[str, Any]) -> list[str]:
-    """Step medians per variant, the ratios paired and apart; when accumulating, the micro-batches' split."""
-    micro, kinds = row.get("micro_batch_s", {}), ("syncing", "accumulating")
-    lines = [
-        *table(
-            ["variant", "threads", "step", "steps", *(f"{k} micro-batch" for k in kinds if micro)],
-            [
-                [
-                    VARIANTS[v].label,
-                    ", ".join(map(str, row["threads"][v])),
-                    fmt_value(e, "s"),
-                    e["n"],
-                    *(fmt_value(micro[v][k], "s") for k in kinds if micro),
-                ]
-                for v, e in row["step_s"].items()
-            ],
-        ),
-        "",
-        *table(
-            [
-                "ratio of median step times",
-                "per pair, geometric mean [95 % CI]",
-                "pooled, pairs drawn together",
-                "pooled, runs drawn apart",
-            ],
-            [
-                [k, fmt_value(e), fmt_value(row["paired"][k]), fmt_value(row["apart"][k])]
-                for k, e in row["per_pair"].items()
-            ],
-        ),
-    ]
-    if micro:
-        lines += [
-            "",
-            *table(
-                ["ratio of median micro-batch times, per pair, geometric mean", *kinds],
-                [[k, *(fmt_value(e[kind]) for kind in kinds)] for k, e in row["micro_batch_per_pair"].items()],
-            ),
-            "",
-            "The syncing micro-batch is the last of each step: its backward syncs the gradients and the "
-            "optimizer steps after it; the accumulating ones communicate on neither side.",
-        ]
-    return lines
+            body += [setting_title(cfg, net, acc), "", *_setting_tables(row), ""]
+    publish(out, record, TITLE, body)
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], float]:
     """The runs' settings from the command line, and the quiet wait; ``--quick``: 1 pair of 1 + 2 steps on
     the template net at accumulate 2, tiny data."""
-    p = parser("paired_fits", __doc__)
-    p.add_argument("--nets", nargs="+", choices=tuple(NETS), default=list(NETS))
-    p.add_argument("--accumulate", type=int, nargs="+", default=[1, 2, 4], dest="accumulates")
-    p.add_argument("--pairs", type=int, default=30, help="pairs of fits per net and accumulation setting")
     two_process = [name for name, v in VARIANTS.items() if v.processes == 2]
-    p.add_argument(
-        "--variants",
-        nargs="+",
-        choices=two_process,
-        default=list(DEFAULT_VARIANTS),
-        help="variants fitted in turn (2-process ones); ratios need both of their variants",
+    help_variants = "variants fitted in turn (2-process ones); ratios need both of their variants"
+    p = fits_parser(
+        "paired_fits", __doc__, NETS, {"choices": two_process, "default": list(DEFAULT_VARIANTS), "help": help_variants}
     )
+    p.add_argument("--pairs", type=int, default=30, help="pairs of fits per net and accumulation setting")
     args = parse(p, argv)
     if min(*args.accumulates, args.pairs) < 1 or len(set(args.variants)) < 2:
         p.error(
             f"--accumulate and --pairs must be >= 1 and --variants name 2 or more variants, got "
             f"{args.accumulates}, {args.pairs}, {args.variants}"
         )
-    nets = ["template"] if args.quick else args.nets
-    cfg = {
-        **run_settings(args.out, args.quick),
-        "nets": {net: NETS[net] | ({"warmup_steps": 1, "steps": 2} if args.quick else {}) for net in nets},
+    args.nets = ["template"] if args.quick else args.nets  # --quick: the template net alone
+    return {
+        **run_settings(args, NETS, {"warmup_steps": 1, "steps": 2}),
         "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
         "pairs": 1 if args.quick else args.pairs,
         "variants": args.variants,
         "timeout_s": 4 * 3600.0,
-        "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in nets},
-    }
-    return cfg, args.max_wait_s
+        "variants_by_net": {net: [v for v in args.variants if net in VARIANTS[v].nets] for net in args.nets},
+    }, args.max_wait_s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -350,10 +251,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return None
     cfg, max_wait_s = parse_config(argv)
     os.chdir(REPO_ROOT)  # train.py's data/ folder and the recorded relative paths
-    quiet = wait_for_quiet(max_wait_s=max_wait_s)
-    started = time.monotonic()
-    timing = _run_workers(cfg)
-    record = finish_run("paired_fits", cfg, quiet, argv, write, Path(cfg["out"]), started, timing=timing)
+    record = run_benchmark(
+        "paired_fits", cfg, argv, write, lambda: {"timing": _run_workers(cfg)}, cfg["out"], max_wait_s
+    )
     shutil.rmtree(Path(cfg["out"], "work"))  # only now: a failure in the analysis keeps the runs' timing.json
     return record
 

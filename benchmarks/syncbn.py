@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +35,23 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import (
-    aligned_seconds,
-    finish_run,
+    Panel,
     fmt_bytes,
     fmt_value,
     headline_row,
-    in_runs,
-    measure_peak,
-    median_ci,
     parse,
     parser,
-    plot_estimates,
-    ratio_ci,
-    report,
-    slowest_rank,
+    publish,
+    round_estimates,
+    run_benchmark,
+    slowest_ranks,
     table,
     timed_rounds,
     verdict,
-    wait_for_quiet,
-    write_record,
 )
 from benchmarks.launcher import run_workers
-from measure.memory import return_freed_memory_above
+from measure.memory import measure_peak, return_freed_memory_above
+from measure.timing import aligned_seconds
 from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
@@ -128,14 +121,19 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
         if device.type == "cpu":
             return_freed_memory_above(128 * 1024)
         for result, shape in zip(out, shapes, strict=True):
-            fns = _methods(shape, device, rank, cfg["methods"])
-            for fn in fns.values():  # lazy initialisation is not the layer's memory
-                fn()
-            result["peak_bytes"] = {}
-            for name, fn in fns.items():
-                dist.barrier()
-                result["peak_bytes"][name] = measure_peak(fn, device)[1]
+            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg["methods"]), device)
     return {"shapes": out, "threads": torch.get_num_threads()}
+
+
+def _peak_bytes(fns: dict[str, Callable[[], None]], device: torch.device) -> dict[str, int]:
+    """Each method's peak memory of one forward+backward, after a first call of each."""
+    for fn in fns.values():  # lazy initialisation is not the layer's memory
+        fn()
+    peaks = {}
+    for name, fn in fns.items():
+        dist.barrier()
+        peaks[name] = measure_peak(fn, device)[1]
+    return peaks
 
 
 def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
@@ -150,187 +148,114 @@ def _shape(row: dict[str, Any]) -> str:
 def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any]:
     """Medians and the ratios of custom over every other method (CIs) from one shape's slowest-rank samples,
     kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
-    runs = {name: in_runs(values, run_length) for name, values in samples.items()}
-    pairs = [(a, b) for a in KERNELS if a in runs for b in runs if b not in KERNELS] + [
-        (a, b) for a, b in (("compiled", "custom"), ("python_floor", "local")) if a in runs and b in runs
-    ]
-    return {
-        "median_s": {name: asdict(median_ci(values)) for name, values in runs.items()},
-        "ratios": {f"{a}/{b}": asdict(ratio_ci(runs[a], runs[b])) for a, b in pairs},
-    }
+    pairs = [(a, b) for a in KERNELS for b in samples if b not in KERNELS]
+    return round_estimates(samples, run_length, [*pairs, ("compiled", "custom"), ("python_floor", "local")])
 
 
 def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One shape: the slowest rank's samples, peak memory (max over ranks); :func:`write` derives the estimates."""
-    samples = {name: slowest_rank([rank["samples"][name] for rank in per_rank]) for name in per_rank[0]["samples"]}
     compile_s = [r["compile_s"] for r in per_rank if r.get("compile_s") is not None]
     return {
         "shape": list(shape),
         "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
-        "samples_s": samples,
+        "samples_s": slowest_ranks([rank["samples"] for rank in per_rank]),
     } | ({"compile_s": max(compile_s)} if compile_s else {})
 
 
 def _judged(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[tuple[dict, str, float]]:
     """(row, verdict, target) of ``key`` for every row that has it, the target by shape kind."""
+    judged = [(row, targets[shape_kind(row["shape"])]) for row in rows if key in row["ratios"]]
+    return [(row, verdict(row["ratios"][key], target), target) for row, target in judged]
+
+
+def _kind_rows(rows: list[dict], key: str, targets: dict[str, float], what: str, kind: str) -> list[dict[str, Any]]:
+    """The worst ratio ``key`` of the shapes of one kind, with its verdict, and how many shapes met the target."""
+    judged = _judged([r for r in rows if shape_kind(r["shape"]) == kind], key, targets)
+    if not judged:
+        return []
+    worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
+    tally, label = Counter(v for _, v, _ in judged), KINDS[kind]
     return [
-        (row, verdict(row["ratios"][key], t), t)
-        for row in rows
-        if key in row["ratios"]
-        for t in [targets[shape_kind(row["shape"])]]
+        headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
+        headline_row(
+            f"{what}: {label} shapes meeting <= {target:g}",
+            f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided of {len(judged)}",
+        ),
     ]
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per shape kind: the worst ratio with its verdict and how many shapes met the target, for the
     synchronised layer against its baseline and for the kernel alone against torch's BatchNorm."""
-    cfg = record["config"]
-    checks = [
-        (
-            record["rows"],
-            f"custom/{cfg['baseline']}",
-            dict.fromkeys(KINDS, cfg["target"]),
-            f"SyncBN / {cfg['baseline']} ({'local BN + 2 all-reduces' if cfg['baseline'] == 'floor' else 'torch'}), "
-            f"{cfg['world_size']} ranks",
-        ),
-        (
-            record.get("one_rank_rows", []),
-            "custom/local",
-            cfg.get("one_rank_targets", {}),
-            "SyncBN kernel / torch BatchNorm, 1 rank",
-        ),
-        (
-            record["rows"],
-            f"compiled/{cfg['baseline']}",
-            dict.fromkeys(KINDS, cfg["target"]),
-            f"SyncBN compiled / {cfg['baseline']}, {cfg['world_size']} ranks",
-        ),
-        (
-            record.get("one_rank_rows", []),
-            "compiled/local",
-            cfg.get("compiled_targets", {}),
-            "SyncBN kernel compiled / torch BatchNorm, 1 rank",
-        ),
+    cfg, rows, one_rank = record["config"], record["rows"], record.get("one_rank_rows", [])
+    base, ranks, target = cfg["baseline"], f"{cfg['world_size']} ranks", dict.fromkeys(KINDS, cfg["target"])
+    floor = "local BN + 2 all-reduces" if base == "floor" else "torch"
+    one_rank_targets, compiled_targets = cfg.get("one_rank_targets", {}), cfg.get("compiled_targets", {})
+    checks = [  # the rows, the ratio judged, its targets by shape kind, what it is
+        (rows, f"custom/{base}", target, f"SyncBN / {base} ({floor}), {ranks}"),
+        (one_rank, "custom/local", one_rank_targets, "SyncBN kernel / torch BatchNorm, 1 rank"),
+        (rows, f"compiled/{base}", target, f"SyncBN compiled / {base}, {ranks}"),
+        (one_rank, "compiled/local", compiled_targets, "SyncBN kernel compiled / torch BatchNorm, 1 rank"),
     ]
-    out = []
-    for rows, key, targets, what in checks:
-        for kind, label in KINDS.items():
-            judged = _judged([r for r in rows if shape_kind(r["shape"]) == kind], key, targets)
-            if not judged:
-                continue
-            worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
-            tally = Counter(v for _, v, _ in judged)
-            out += [
-                headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
-                headline_row(
-                    f"{what}: {label} shapes meeting <= {target:g}",
-                    f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided of {len(judged)}",
-                ),
-            ]
-    floors = [
-        r
-        for r in record.get("one_rank_rows", [])
-        if "python_floor/local" in r["ratios"] and shape_kind(r["shape"]) == "nc"
-    ]
+    out = [row for check in checks for kind in KINDS for row in _kind_rows(*check, kind)]
+    floors = [r for r in one_rank if "python_floor/local" in r["ratios"] and shape_kind(r["shape"]) == "nc"]
     if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
         worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
-        out.append(
-            headline_row(
-                f"Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst "
-                f"(N, C) shape ({_shape(worst)})",
-                worst["ratios"]["python_floor/local"],
-                "x",
-            )
-        )
-    for rows, when in (
-        (record["rows"], "empty inductor cache, 2-rank run"),
-        (record.get("one_rank_rows", []), "warm cache, 1-rank run after it"),
-    ):
-        if any("compile_s" in row for row in rows):  # the first shape pays the fixed cost, later ones their graphs
-            first, rest = rows[0].get("compile_s", 0.0), [row.get("compile_s", 0.0) for row in rows[1:]]
-            out.append(
-                headline_row(
-                    f"SyncBN compiled: first call ({when}): first shape ({_shape(rows[0])}) / slowest later shape",
-                    f"{first:.1f} s / {max(rest, default=0.0):.1f} s",
-                )
-            )
+        what = "Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst (N, C) shape"
+        what += f" ({_shape(worst)})"
+        out.append(headline_row(what, worst["ratios"]["python_floor/local"], "x"))
+    for shapes, when in ((rows, "empty inductor cache, 2-rank run"), (one_rank, "warm cache, 1-rank run after it")):
+        if any("compile_s" in row for row in shapes):  # the first shape pays the fixed cost, later ones their graphs
+            first, rest = shapes[0].get("compile_s", 0.0), [row.get("compile_s", 0.0) for row in shapes[1:]]
+            what = f"SyncBN compiled: first call ({when}): first shape ({_shape(shapes[0])}) / slowest later shape"
+            out.append(headline_row(what, f"{first:.1f} s / {max(rest, default=0.0):.1f} s"))
     return out
 
 
 def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
     methods, memory = list(rows[0]["median_s"]), list(rows[0]["peak_bytes"])
     keys = [key, *(k for k in rows[0]["ratios"] if k != key)]  # the target's ratio first
-    body = [
-        [
-            _shape(row),
-            *(fmt_value(row["median_s"][m], "s") for m in methods),
-            *(fmt_value(row["ratios"][k]) for k in keys),
-            f"{v} (<= {t:g})",
-            row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"],
-            *(fmt_bytes(row["peak_bytes"][m]) for m in memory),
-        ]
+    headers = ["shape per rank", *methods, *(k.replace("/", " / ") for k in keys)]
+    headers += [f"{key} verdict", f"{key} CI includes 1?", *(f"{m} peak memory" for m in memory)]
+    cells = [
+        [_shape(row), *(fmt_value(row["median_s"][m], "s") for m in methods)]
+        + [fmt_value(row["ratios"][k]) for k in keys]
+        + [f"{v} (<= {t:g})", row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"]]
+        + [fmt_bytes(row["peak_bytes"][m]) for m in memory]
         for row, v, t in _judged(rows, key, targets)
     ]
-    return table(
-        [
-            "shape per rank",
-            *methods,
-            *(k.replace("/", " / ") for k in keys),
-            f"{key} verdict",
-            f"{key} CI includes 1?",
-            *(f"{m} peak memory" for m in memory),
-        ],
-        body,
-    )
+    return table(headers, cells)
 
 
 def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
     """The compiled kernel's verdicts and first-call (compile) time per shape."""
-    return table(
-        [
-            "shape per rank",
-            key.replace("/", " / "),
-            "compiled / custom (eager)",
-            f"{key} verdict",
-            "first call (compiles)",
-        ],
-        [
-            [
-                _shape(row),
-                fmt_value(row["ratios"][key]),
-                fmt_value(row["ratios"].get("compiled/custom")),
-                f"{v} (<= {t:g})",
-                fmt_value(row.get("compile_s"), "s"),
-            ]
-            for row, v, t in _judged(rows, key, targets)
-        ],
-    )
+    cells = [
+        [_shape(row), fmt_value(row["ratios"][key]), fmt_value(row["ratios"].get("compiled/custom"))]
+        + [f"{v} (<= {t:g})", fmt_value(row.get("compile_s"), "s")]
+        for row, v, t in _judged(rows, key, targets)
+    ]
+    headers = ["shape per rank", key.replace("/", " / "), "compiled / custom (eager)", f"{key} verdict"]
+    return table([*headers, "first call (compiles)"], cells)
 
 
-def write(record: dict[str, Any], out: Path) -> None:
-    """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
+def _body(record: dict[str, Any]) -> list[str]:
     cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
-    for row in (*rows, *one_rank):  # from the kept samples, so a stored record re-derives the same way
-        row.update(estimates(row["samples_s"], cfg["iters"]))
-    record["headline"] = headline(record)
-    key = f"custom/{cfg['baseline']}"
-    compiled = (
-        [
+    target = dict.fromkeys(KINDS, cfg["target"])
+    compiled = []
+    if "compiled_targets" in cfg:  # records before the compiled kernel have none
+        compiled = [
             f"## The compiled kernel (`compile=True`): {cfg['world_size']} ranks, then one rank",
             "",
-            *_compiled_table(rows, f"compiled/{cfg['baseline']}", dict.fromkeys(KINDS, cfg["target"])),
+            *_compiled_table(rows, f"compiled/{cfg['baseline']}", target),
             "",
             *_compiled_table(one_rank, "compiled/local", cfg["compiled_targets"]),
             "",
         ]
-        if "compiled_targets" in cfg
-        else []
-    )
-    body = [
+    return [
         f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} rounds x "
         f"{cfg['iters']} iterations per method after {cfg['warmup']} warm-up; wall time {record['wall_s']:.0f} s.",
         "",
-        *_table(rows, key, dict.fromkeys(KINDS, cfg["target"])),
+        *_table(rows, f"custom/{cfg['baseline']}", target),
         "",
         "## The kernel on one rank: custom vs torch's BatchNorm (`local`)",
         "",
@@ -339,38 +264,46 @@ def write(record: dict[str, Any], out: Path) -> None:
         *compiled,
         "![time and ratios per shape](syncbn.png)",
     ]
-    write_record(out, record, report(record, TITLE, body))
+
+
+def _panels(record: dict[str, Any]) -> list[Panel]:
+    cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
     groups = [_shape(row) for row in rows]
-    plot_estimates(
-        out / "syncbn.png",
-        [
-            {
-                "title": "forward+backward",
-                "ylabel": "ms (median, slowest rank)",
-                "scale": 1e3,
-                "log": True,
-                "groups": groups,
-                "series": {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]},
-            },
-            {
-                "title": "ratios of medians",
-                "ylabel": "ratio",
-                "log": True,
-                "groups": groups,
-                "series": {
-                    **{k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]},
-                    **{f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS},
-                },
-                "lines": {
-                    "1": 1.0,
-                    f"target {cfg['target']}x {cfg['baseline']}": cfg["target"],
-                    **{f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()},
-                },
-            },
-        ],
-        f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}",
-        record["quietness"]["comparable"],
-    )
+    times = {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]}
+    shown = {k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]}
+    shown |= {f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS}
+    lines = {"1": 1.0, f"target {cfg['target']}x {cfg['baseline']}": cfg["target"]}
+    lines |= {f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()}
+    return [
+        Panel("forward+backward", "ms (median, slowest rank)", groups, times, scale=1e3, log=True),
+        Panel("ratios of medians", "ratio", groups, shown, log=True, lines=lines),
+    ]
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
+    cfg = record["config"]
+    for row in (*record["rows"], *record["one_rank_rows"]):  # from the kept samples: a record re-derives the same way
+        row.update(estimates(row["samples_s"], cfg["iters"]))
+    record["headline"] = headline(record)
+    plot_title = f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}"
+    publish(out, record, TITLE, _body(record), {"syncbn.png": (plot_title, _panels(record))})
+
+
+def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
+    """The synchronised layers on ``cfg["world_size"]`` ranks, then the kernels alone on one rank (timing only);
+    the first compile from an empty inductor cache. Completes ``cfg`` with the ranks' threads."""
+    with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
+        synchronised = {"methods": ("custom", "compiled", "local", "floor", "torch_syncbn"), "inductor_cache": cache}
+        per_rank = run_workers(_worker, cfg["world_size"], args=(shapes, cfg | synchronised), **launch)
+        # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
+        alone = {"methods": ("custom", "compiled", "local", "python_floor"), "memory": False, "inductor_cache": cache}
+        (one_rank,) = run_workers(_worker, 1, args=(shapes, cfg | alone), **launch)
+    cfg["threads"] = per_rank[0]["threads"]
+    return {
+        "rows": [analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
+        "one_rank_rows": [analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -386,68 +319,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)",
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    args = parse(p, argv)
+    args = parse(p, argv, FULL, QUICK)
     if args.world_size < 2:
         p.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda needs a CUDA device; none is visible (torch.cuda.is_available())")
-    cfg = (
-        (QUICK if args.quick else FULL)
-        | {"device": args.device}
-        | {k: v for k, v in (("rounds", args.rounds), ("iters", args.iters)) if v is not None}
-    )
     shapes = args.shapes or (QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES)
     backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
-    quiet = wait_for_quiet(max_wait_s=args.max_wait_s)
-    start = time.monotonic()
-    launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
-    with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
-        per_rank = run_workers(
-            _worker,
-            args.world_size,
-            args=(
-                shapes,
-                cfg | {"methods": ("custom", "compiled", "local", "floor", "torch_syncbn"), "inductor_cache": cache},
-            ),
-            **launch,
-        )
-        # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
-        (one_rank,) = run_workers(
-            _worker,
-            1,
-            args=(
-                shapes,
-                cfg
-                | {
-                    "methods": ("custom", "compiled", "local", "python_floor"),
-                    "memory": False,
-                    "inductor_cache": cache,
-                },
-            ),
-            **launch,
-        )
     baseline, target = TARGETS[args.device]
-    config = cfg | {
-        "world_size": args.world_size,
-        "backend": backend,
-        "threads": per_rank[0]["threads"],
-        "shapes": [list(s) for s in shapes],
-        "baseline": baseline,
-        "target": target,
-        "one_rank_targets": ONE_RANK_TARGETS,
-        "compiled_targets": COMPILED_TARGETS,
-    }
-    return finish_run(
-        "syncbn",
-        config,
-        quiet,
-        argv,
-        write,
-        args.out,
-        start,
-        rows=[analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
-        one_rank_rows=[analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)],
-    )
+    config = args.cfg | {"device": args.device, "world_size": args.world_size, "backend": backend, "threads": None}
+    config |= {"shapes": [list(s) for s in shapes], "baseline": baseline, "target": target}
+    config |= {"one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
+    launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
+    measure = lambda: _measure(shapes, config, launch)  # noqa: E731
+    return run_benchmark("syncbn", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

@@ -71,9 +71,10 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
 
 
 def test_syncbn_takes_the_slowest_rank_per_iteration() -> None:
-    assert syncbn.slowest_rank([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
+    per_rank = [{"custom": [1.0, 5.0, 2.0], "local": [1.0]}, {"custom": [3.0, 1.0, 2.5], "local": [2.0]}]
+    assert syncbn.slowest_ranks(per_rank) == {"custom": [3.0, 5.0, 2.5], "local": [2.0]}
     with pytest.raises(ValueError):  # ranks that ran different iteration counts are a bug, not data
-        syncbn.slowest_rank([[1.0], [1.0, 2.0]])
+        syncbn.slowest_ranks([{"custom": [1.0]}, {"custom": [1.0, 2.0]}])
 
 
 def _synthetic_compare_rows(rng: np.random.Generator, cores: int) -> list[dict]:

@@ -14,25 +14,19 @@ import pytest
 from benchmarks.harness import (
     SCHEMA,
     Quietness,
-    difference_ci,
     fmt_value,
     headline_row,
-    in_runs,
     interleave,
     make_record,
-    median_ci,
-    pair_ratio_ci,
-    paired_ratio_ci,
     parse,
     parser,
-    ratio_ci,
     report,
-    share_ci,
     table,
     verdict,
     write_record,
 )
 from measure.run_info import environment
+from measure.stats import difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, ratio_ci, share_ci
 
 
 def test_interleave_alternates_the_order():
