@@ -5,7 +5,9 @@
     python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
 
 Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one forward+backward of
-``custom`` (``parallel.syncbn.SyncBatchNorm``), ``compiled`` (the same with ``compile=True``: its
+``custom`` (``parallel.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
+with its statistics through shared memory, as ``custom_ddp`` runs it on one CPU host:
+``parallel.host_exchange``; target shared <= 1.0x floor), ``compiled`` (the same with ``compile=True``: its
 passes ``torch.compile``'d; (N, C) and small inputs stay eager by design, see
 ``parallel/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
 then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
@@ -52,6 +54,8 @@ from benchmarks.harness import (
 from benchmarks.launcher import run_workers
 from measure.memory import measure_peak, return_freed_memory_above
 from measure.timing import aligned_seconds
+from parallel.host_exchange import open_shared_memory_exchange
+from parallel.host_reduce import open_shared_memory_all_reduce
 from parallel.syncbn import SyncBatchNorm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
@@ -62,7 +66,8 @@ QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
 TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 0.9)}  # baseline, max custom/baseline
 ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape kind
 COMPILED_TARGETS = {"conv": 1.00, "nc": 1.5}  # max compiled/native BN on one rank, by shape kind
-KERNELS = ("custom", "compiled")  # the numerators of every ratio
+KERNELS = ("custom", "shared", "compiled")  # the numerators of every ratio
+SHARED_TARGET = 1.0  # max shared/floor: the statistics through shared memory cost no more than 2 gloo all-reduces
 TITLE = "SyncBatchNorm: forward+backward time and peak memory"
 KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
 
@@ -79,14 +84,15 @@ class _PythonFloor(nn.Module):
 
 
 def _methods(
-    shape: Sequence[int], device: torch.device, rank: int, names: Collection[str]
+    shape: Sequence[int], device: torch.device, rank: int, names: Collection[str], exchange: Any = None
 ) -> dict[str, Callable[[], None]]:
-    """One forward+backward per method of ``names`` on this rank's fixed input."""
+    """One forward+backward per method of ``names`` on this rank's fixed input (``shared``: with ``exchange``)."""
     generator = torch.Generator().manual_seed(rank)
     x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
     stats, local = torch.zeros(2 * shape[1] + 1, device=device), nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
     layers = {
         "custom": SyncBatchNorm(shape[1]),
+        "shared": SyncBatchNorm(shape[1]),
         "compiled": SyncBatchNorm(shape[1], compile=True),
         "local": local(shape[1]),
         "floor": local(shape[1]),
@@ -102,6 +108,8 @@ def _methods(
 
         return run
 
+    SyncBatchNorm.use_exchange(layers["shared"], exchange, None)
+    names = [name for name in names if name != "shared" or exchange is not None]
     return {name: fwd_bwd(name, layer.to(device)) for name, layer in layers.items() if name in names}
 
 
@@ -110,9 +118,10 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cfg["inductor_cache"]  # this process only (a fork)
+    exchange = _shared_memory_exchange(shapes, world_size) if "shared" in cfg["methods"] else None
     out = []
     for shape in shapes:
-        fns = _methods(shape, device, rank, cfg["methods"])
+        fns = _methods(shape, device, rank, cfg["methods"], exchange)
         compile_s = aligned_seconds(fns["compiled"], device) if "compiled" in fns else None  # the first call
         out.append({"samples": timed_rounds(fns, cfg, device), "compile_s": compile_s})
     if cfg.get("memory", True):
@@ -121,8 +130,17 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
         if device.type == "cpu":
             return_freed_memory_above(128 * 1024)
         for result, shape in zip(out, shapes, strict=True):
-            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg["methods"]), device)
+            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg["methods"], exchange), device)
     return {"shapes": out, "threads": torch.get_num_threads()}
+
+
+def _shared_memory_exchange(shapes: list, world_size: int) -> Any:
+    """The statistics' shared-memory exchange of every rank (None where it cannot apply: then no ``shared`` rows),
+    sized for the widest shape, on a shared-memory all-reduce of its own as the strategy's buckets would have."""
+    if world_size < 2:
+        return None
+    host = open_shared_memory_all_reduce("auto", None, [torch.device("cpu")], None)
+    return open_shared_memory_exchange(host, list(range(world_size)), (2 * max(s[1] for s in shapes) + 1) * 8)
 
 
 def _peak_bytes(fns: dict[str, Callable[[], None]], device: torch.device) -> dict[str, int]:
@@ -149,7 +167,8 @@ def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any
     """Medians and the ratios of custom over every other method (CIs) from one shape's slowest-rank samples,
     kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
     pairs = [(a, b) for a in KERNELS for b in samples if b not in KERNELS]
-    return round_estimates(samples, run_length, [*pairs, ("compiled", "custom"), ("python_floor", "local")])
+    extra = [("shared", "custom"), ("compiled", "custom"), ("python_floor", "local")]
+    return round_estimates(samples, run_length, [*pairs, *extra])
 
 
 def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,8 +210,10 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     base, ranks, target = cfg["baseline"], f"{cfg['world_size']} ranks", dict.fromkeys(KINDS, cfg["target"])
     floor = "local BN + 2 all-reduces" if base == "floor" else "torch"
     one_rank_targets, compiled_targets = cfg.get("one_rank_targets", {}), cfg.get("compiled_targets", {})
+    shared = "SyncBN, statistics through shared memory"
     checks = [  # the rows, the ratio judged, its targets by shape kind, what it is
         (rows, f"custom/{base}", target, f"SyncBN / {base} ({floor}), {ranks}"),
+        (rows, "shared/floor", dict.fromkeys(KINDS, SHARED_TARGET), f"{shared} / floor ({floor}, gloo), {ranks}"),
         (one_rank, "custom/local", one_rank_targets, "SyncBN kernel / torch BatchNorm, 1 rank"),
         (rows, f"compiled/{base}", target, f"SyncBN compiled / {base}, {ranks}"),
         (one_rank, "compiled/local", compiled_targets, "SyncBN kernel compiled / torch BatchNorm, 1 rank"),
@@ -294,7 +315,8 @@ def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[st
     """The synchronised layers on ``cfg["world_size"]`` ranks, then the kernels alone on one rank (timing only);
     the first compile from an empty inductor cache. Completes ``cfg`` with the ranks' threads."""
     with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
-        synchronised = {"methods": ("custom", "compiled", "local", "floor", "torch_syncbn"), "inductor_cache": cache}
+        methods = ("custom", "shared", "compiled", "local", "floor", "torch_syncbn")
+        synchronised = {"methods": methods, "inductor_cache": cache}
         per_rank = run_workers(_worker, cfg["world_size"], args=(shapes, cfg | synchronised), **launch)
         # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
         alone = {"methods": ("custom", "compiled", "local", "python_floor"), "memory": False, "inductor_cache": cache}

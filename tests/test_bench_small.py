@@ -41,8 +41,13 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     record = syncbn.main(["--quick", "--shapes", "8x16", "--rounds", "2", "--iters", "2", "--out", str(tmp_path)])
     saved = _check_saved(tmp_path, [e for row in record["rows"] for e in row["ratios"].values()])
     row = saved["rows"][0]
-    assert set(row["ratios"]) == {"custom/floor", "custom/local", "compiled/floor", "compiled/local", "compiled/custom"}
-    assert len(row["samples_s"]["custom"]) == 4  # 2 rounds x 2 iterations, max over the ranks
+    assert set(row["ratios"]) == {
+        *("custom/floor", "custom/local", "compiled/floor", "compiled/local", "compiled/custom"),
+        *("shared/floor", "shared/local", "shared/custom"),  # the statistics through shared memory (one CPU host)
+    }
+    assert len(row["samples_s"]["custom"]) == len(row["samples_s"]["shared"]) == 4  # 2 rounds x 2, the slowest rank
+    shared = next(r for r in saved["headline"] if r["what"].startswith("SyncBN, statistics through shared memory"))
+    assert shared["target"] == "<= 1" and "floor (local BN + 2 all-reduces, gloo)" in shared["what"]
     assert row["peak_bytes"]["custom"] >= 0 and saved["config"]["threads"] == 1
     assert "SyncBN / floor (local BN + 2 all-reduces), 2 ranks: worst (N, C) shape (8x16)" in _whats(saved)
     assert saved["command"].startswith("python -m benchmarks.syncbn --quick")

@@ -30,7 +30,7 @@ def test_pairs_drawn_together_decide_what_runs_drawn_apart_cannot():
     assert per_pair["value"] == pytest.approx(0.97, abs=0.01) and per_pair["n"] == 20  # pairs
     assert per_pair["high"] < 1.0 < apart["high"]  # the drift between pairs widens only the unpaired interval
     assert per_pair["high"] - per_pair["low"] < paired["high"] - paired["low"]
-    assert _target_verdict(per_pair) == "met" and _target_verdict(apart) == "undecided"
+    assert _target_verdict(per_pair, 1.00, 1.03) == "met" and _target_verdict(apart, 1.00, 1.03) == "undecided"
     rows = headline({"analysis": {"template": {"1": row}}})
     assert [r["verdict"] for r in rows] == ["met"] and rows[0]["target"] == "<= 1.00, CI high < 1.03"
     assert rows[0]["value"] == per_pair  # the verdict judges the per-pair ratio
@@ -57,12 +57,28 @@ def test_micro_batches_split_into_the_syncing_one_and_the_accumulating_ones():
 
 
 def test_target_verdicts():
-    assert _target_verdict({"value": 1.01, "low": 0.99, "high": 1.02}) == "undecided"  # point above 1.00
-    assert _target_verdict({"value": 0.99, "low": 0.95, "high": 1.04}) == "undecided"  # bound not below 1.03
-    assert _target_verdict({"value": 1.05, "low": 1.01, "high": 1.08}) == "missed"
-    assert (
-        _target_verdict(analyse(_timing(1.08))["template"]["1"]["per_pair"]["custom_ddp_localbn/ddp_tuned"]) == "missed"
-    )
+    assert _target_verdict({"value": 1.01, "low": 0.99, "high": 1.02}, 1.00, 1.03) == "undecided"  # point above
+    assert _target_verdict({"value": 0.99, "low": 0.95, "high": 1.04}, 1.00, 1.03) == "undecided"  # bound not below
+    assert _target_verdict({"value": 1.05, "low": 1.01, "high": 1.08}, 1.00, 1.03) == "missed"
+    per_pair = analyse(_timing(1.08))["template"]["1"]["per_pair"]["custom_ddp_localbn/ddp_tuned"]
+    assert _target_verdict(per_pair, 1.00, 1.03) == "missed"
+
+
+def test_syncbn_rows_judge_its_ratio_to_ddp_and_its_share_of_the_step():
+    """custom_ddp with its SyncBatchNorm 1.06x ddp tuned and 1.04x itself with local BN: on ResNet-18 the ratio
+    meets <= 1.10 (CI high < 1.15); the SyncBN share, 1 - 1/1.04 ~ 4 %, meets <= 10 % on its whole interval."""
+    timing = _timing(1.0, pairs=20)["template"]["1"]
+    base = timing["ddp_tuned"]
+    scaled = lambda factor: [{**run, "step_s": [t * factor for t in run["step_s"]]} for run in base]  # noqa: E731
+    runs = {"ddp_tuned": base, "custom_ddp": scaled(1.06), "custom_ddp_localbn": scaled(1.06 / 1.04)}
+    rows = headline({"analysis": analyse({"resnet18": {"1": runs}})})
+    by_pair = {r["what"].split(":")[0]: r for r in rows}
+    syncbn = next(r for what, r in by_pair.items() if what.startswith("custom_ddp (SyncBN") and "ddp tuned" in what)
+    assert syncbn["target"] == "<= 1.10, CI high < 1.15" and syncbn["verdict"] == "met"
+    assert syncbn["value"]["value"] == pytest.approx(1.06)
+    (share,) = [r for r in rows if r["what"].startswith("SyncBN share")]
+    assert share["value"]["value"] == pytest.approx(1 - 1 / 1.04) and share["verdict"] == "met"
+    assert share["target"] == "<= 10%" and "resnet18 net, accumulate 1" in share["what"]
 
 
 def test_paired_fits_arguments(capsys):
