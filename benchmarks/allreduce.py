@@ -36,22 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness import (
-    Panel,
-    fmt_bytes,
-    fmt_value,
-    headline_row,
-    parse,
-    parser,
-    publish,
-    round_estimates,
-    run_benchmark,
-    settings,
-    slowest_ranks,
-    table,
-    timed_rounds,
-)
+from benchmarks.harness import parse, parser, round_estimates, run_benchmark, settings, slowest_ranks, timed_rounds
 from benchmarks.launcher import run_workers
+from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from measure.memory import measure_peak
 from measure.stats import median_ci

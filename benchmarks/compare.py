@@ -48,18 +48,8 @@ from benchmarks.compare_runs import (
     timing_run,
     variants_for,
 )
-from benchmarks.harness import (
-    Panel,
-    fmt_bytes,
-    fmt_value,
-    headline_row,
-    parse,
-    plot_estimates,
-    publish,
-    ratios,
-    run_benchmark,
-    table,
-)
+from benchmarks.harness import parse, ratios, run_benchmark
+from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, plot_estimates, publish, table
 from measure.stats import difference_ci, ratio_ci, share_ci
 
 TITLE = "custom_ddp vs Lightning ddp, 2 CPU processes, synthetic data"

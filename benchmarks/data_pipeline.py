@@ -25,19 +25,8 @@ from torch.utils.benchmark import Timer
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
-from benchmarks.harness import (
-    Panel,
-    fmt_value,
-    headline_row,
-    interleave,
-    medians,
-    parse,
-    parser,
-    publish,
-    ratios,
-    run_benchmark,
-    table,
-)
+from benchmarks.harness import interleave, medians, parse, parser, ratios, run_benchmark
+from benchmarks.report import Panel, fmt_value, headline_row, publish, table
 from lit_cifar.data import TensorImageDataset
 from lit_cifar.transforms import CIFAR100_MEAN, CIFAR100_STD, augment, normalize
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import harness
+from benchmarks import harness, report
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
 from measure.stats import difference_ci, median_ci, ratio_ci
@@ -88,7 +88,7 @@ def _net_row(net: str, rounds: int, steps: int) -> dict[str, Any]:
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per net: the step with the check against without it (ratio, and seconds per step and per collective)."""
     return [
-        harness.headline_row(
+        report.headline_row(
             f"{r['net']} (batch {r['batch']} per rank, {r['collectives']} collectives per step): {what}", value, unit
         )
         for r in record["rows"]
@@ -102,7 +102,7 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _publish(record: dict[str, Any], out: Path) -> None:  # not write(): the record keeps no samples to re-derive
     record["headline"] = headline(record)
-    harness.publish(out, record, TITLE, [])
+    report.publish(out, record, TITLE, [])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers custom_ddp)
-from benchmarks.harness import fmt_bytes, headline_row, parse, parser, publish, run_benchmark
+from benchmarks.harness import parse, parser, run_benchmark
+from benchmarks.report import fmt_bytes, headline_row, publish
 from measure.memory import PeakMemory
 from strategies.custom_ddp import CustomDDPStrategy
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.utils.benchmark
 from torch import nn
 
-from benchmarks import harness
+from benchmarks import harness, report
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import TemplateNet
 from measure.stats import difference_ci, in_runs, ratio_ci
@@ -118,18 +118,16 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
         row
         for mode in MODES[1:]
         for row in (
-            harness.headline_row(
-                f"template net, 2 ranks: step keeping them ({mode}) / off", record["ratio"][mode], "x"
-            ),
-            harness.headline_row(f"template net, 2 ranks: added time per step ({mode})", record["cost_s"][mode], "s"),
+            report.headline_row(f"template net, 2 ranks: step keeping them ({mode}) / off", record["ratio"][mode], "x"),
+            report.headline_row(f"template net, 2 ranks: added time per step ({mode})", record["cost_s"][mode], "s"),
         )
-    ] + [harness.headline_row(f"{what} (one call)", record["call_s"][what], "s") for what in record["call_s"]]
+    ] + [report.headline_row(f"{what} (one call)", record["call_s"][what], "s") for what in record["call_s"]]
 
 
 def _publish(record: dict[str, Any], out: Path) -> None:  # not write(): the record keeps no samples to re-derive
     record["headline"] = headline(record)
-    steps = [[mode, harness.fmt_value(record["step_s"][mode], "s")] for mode in MODES]
-    harness.publish(out, record, TITLE, ["## Step time", "", *harness.table("mode | step (median [95 % CI])", steps)])
+    steps = [[mode, report.fmt_value(record["step_s"][mode], "s")] for mode in MODES]
+    report.publish(out, record, TITLE, ["## Step time", "", *report.table("mode | step (median [95 % CI])", steps)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

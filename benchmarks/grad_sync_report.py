@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Panel, fmt_bytes, fmt_value, headline_row, publish, table
+from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from measure.stats import difference_ci, median_ci, ratio_ci, share_ci
 
 TITLE = "Gradient synchronisation: SyncedDataParallel vs torch DDP (2 CPU ranks)"

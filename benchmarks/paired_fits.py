@@ -64,7 +64,8 @@ from benchmarks.compare_runs import (
     step_rows,
     step_table,
 )
-from benchmarks.harness import fmt_value, medians, parse, publish, ratios, run_benchmark, table, verdict
+from benchmarks.harness import medians, parse, ratios, run_benchmark, verdict
+from benchmarks.report import fmt_value, publish, table
 from measure.stats import pair_ratio_ci, paired_ratio_ci
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed

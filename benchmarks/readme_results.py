@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import fmt_value, headline_table, machine
 from benchmarks.readme_block import replace_block
+from benchmarks.report import fmt_value, headline_table, machine
 from measure.stats import INTERVALS
 
 __all__ = ["render_block", "render_headline", "update_headline", "update_readme"]

@@ -36,22 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.harness import (
-    Panel,
-    fmt_bytes,
-    fmt_value,
-    headline_row,
-    parse,
-    parser,
-    publish,
-    round_estimates,
-    run_benchmark,
-    slowest_ranks,
-    table,
-    timed_rounds,
-    verdict,
-)
+from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
 from benchmarks.launcher import run_workers
+from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from measure.memory import measure_peak, return_freed_memory_above
 from measure.timing import aligned_seconds
 from parallel.host_exchange import open_shared_memory_exchange

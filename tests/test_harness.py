@@ -11,20 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.harness import (
-    SCHEMA,
-    Quietness,
-    fmt_value,
-    headline_row,
-    interleave,
-    make_record,
-    parse,
-    parser,
-    report,
-    table,
-    verdict,
-    write_record,
-)
+from benchmarks.harness import SCHEMA, Quietness, interleave, make_record, parse, parser, verdict
+from benchmarks.report import fmt_value, headline_row, report, table, write_record
 from measure.run_info import environment
 from measure.stats import difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, ratio_ci, share_ci
 

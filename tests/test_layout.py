@@ -65,6 +65,7 @@ _MEASUREMENT = [
     *_modules(measure),
     "benchmarks.launcher",
     "benchmarks.harness",
+    "benchmarks.report",
     "benchmarks.readme_results",
     "benchmarks.grad_sync",
     "benchmarks.grad_sync_report",
