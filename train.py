@@ -92,6 +92,7 @@ import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
 
 # Every project callback imported (callbacks/ loads them lazily), so configs may name it by its short class name.
 from callbacks import BenchmarkMonitor, CollectiveCounter, PredictionWriter, RunHparams  # noqa: F401
+from callbacks.run_hparams import strategy_name
 from lit_cifar.cli_errors import check_strategy_config, short_option_errors
 from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
 from lit_cifar.data import CIFAR100DataModule
@@ -208,7 +209,8 @@ class LitCifarCLI(LightningCLI):
     def after_fit(self) -> None:
         """Rank 0 ends the fit with :func:`fit_summary` (the other ranks print nothing)."""
         if self.trainer.is_global_zero:
-            print(fit_summary(self.trainer, self.datamodule, time.perf_counter() - self.started), flush=True)
+            wall_s, strategy = time.perf_counter() - self.started, strategy_name(self.trainer.strategy)
+            print(fit_summary(self.trainer, self.datamodule, wall_s, strategy), flush=True)
 
 
 def _help_command(args: ArgsType) -> str:

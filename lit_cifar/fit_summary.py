@@ -8,7 +8,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from callbacks.run_hparams import strategy_name
 from measure.run_info import display_path
 
 __all__ = ["fit_summary", "no_validation_reason"]
@@ -43,8 +42,9 @@ def no_validation_reason(trainer: Trainer) -> str:
     return f"{ended}, before the first validation ({_validation_schedule(trainer)})"
 
 
-def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
-    """The few lines a finished fit ends with: accuracy, wall time, the data really used, where the run lives."""
+def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float, strategy: str) -> str:
+    """The few lines a finished fit ends with: accuracy, wall time, the data really used, where the run lives;
+    ``strategy`` is the name the run was started with (``custom_ddp``, ``ddp``, ...)."""
     metrics = trainer.callback_metrics
     if "val/acc1" in metrics:
         top5 = f", top-5 {100 * float(metrics['val/acc5']):.1f} %" if "val/acc5" in metrics else ""
@@ -57,7 +57,7 @@ def fit_summary(trainer: Trainer, datamodule: Any, wall_s: float) -> str:
     return "\n".join(
         [
             "=" * 78,
-            f"lit-cifar fit done: {strategy_name(trainer.strategy)} on {trainer.world_size} process(es), "
+            f"lit-cifar fit done: {strategy} on {trainer.world_size} process(es), "
             f"wall time {_minutes(wall_s)} (start of train.py to now)",
             f"  validation  {validation}",
             f"  data        {_data_line(datamodule)}",

@@ -21,7 +21,7 @@ def _summary_line(tmp_path: Path, model: BoringModel, **flags) -> str:
         accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False, **flags
     )
     trainer.fit(model)
-    (line,) = [line for line in fit_summary(trainer, None, 1.0).splitlines() if line.startswith("  validation")]
+    (line,) = [line for line in fit_summary(trainer, None, 1.0, "auto").splitlines() if line.startswith("  validation")]
     return line.removeprefix("  validation  ")
 
 

@@ -63,7 +63,7 @@ def test_fit_through_the_cli_writes_everything_under_default_root_dir(fit_run: t
     # The saved config names the folder the logger really used (re-running it writes there too).
     saved = yaml.safe_load((log_dir / "config.yaml").read_text())["trainer"]
     assert saved["logger"]["init_args"]["save_dir"] == saved["default_root_dir"] == str(root_dir)
-    summary = train.fit_summary(cli.trainer, cli.datamodule, wall_s=1.0)
+    summary = train.fit_summary(cli.trainer, cli.datamodule, wall_s=1.0, strategy="auto")
     assert f"tensorboard --logdir {root_dir / 'lightning_logs'}   (this run: {log_dir})" in summary
     assert f"  checkpoint  {log_dir / 'checkpoints' / 'last.ckpt'}" in summary
     assert yaml.safe_load((log_dir / "hparams.yaml").read_text())["dataset_used"] == "synthetic"
