@@ -97,12 +97,17 @@ def run_workers(
         The return values of ``fn``, indexed by rank.
 
     Raises:
-        ValueError: ``world_size < 1``, or ``init_file`` already exists.
+        ValueError: ``world_size < 1``, ``init_file`` already exists, or a fork after CUDA was initialised.
         WorkerError: a worker raised; the message holds its rank and traceback.
         TimeoutError: not all workers reported within ``timeout_s + deadline_margin_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise ValueError(
+            "run_workers(start_method='fork') after this process initialised CUDA: a forked child cannot use CUDA "
+            "('Cannot re-initialize CUDA in forked subprocess'); pass start_method='spawn'"
+        )
     own_folder = tempfile.mkdtemp(prefix="lit_cifar_pg_") if init_file is None else None
     init_file = os.path.join(own_folder, "store") if own_folder else init_file
     if os.path.exists(init_file):

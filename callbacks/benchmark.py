@@ -36,14 +36,14 @@ from measure.memory import CpuMethod, PeakMemory
 from measure.run_info import environment, strategy_options, to_jsonable
 from measure.stats import summarize
 from measure.timing import EpochTiming, StepTimer
+from parallel.torch_compat import all_gather_single
 
 __all__ = ["BenchmarkMonitor", "SCHEMA"]
 
 SCHEMA = "lit_cifar.benchmark/v1"
 # Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which
 # torch 2.14 deprecates (a FutureWarning on every rank). These numbers need no gradient: the plain
-# c10d collective does, all_gather_single (torch 2.14's name) or all_gather_into_tensor before it.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# c10d collective does (parallel.torch_compat names it on every supported torch).
 _SUMMED = ("samples", "steady_samples")
 _DATASET_KEYS = ("dataset_used", "dataset_kind", "dataset")
 
@@ -244,7 +244,7 @@ def _all_gather(trainer: Trainer, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.unsqueeze(0)
     flat = tensor.contiguous().reshape(-1)
     gathered = flat.new_empty(trainer.world_size * flat.numel())  # gloo takes only the concatenated layout
-    _all_gather_single(gathered, flat)
+    all_gather_single(gathered, flat)
     return gathered.view(trainer.world_size, *tensor.shape)
 
 

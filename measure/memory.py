@@ -9,6 +9,10 @@
   the RSS with psutil every ``sample_interval_s`` (``method="sample"``): cheap, but it can miss a
   peak shorter than the interval. ``"auto"`` picks the kernel mark when it is available.
 
+One call's tensors (:func:`allocated_peak`): the profiler's allocator events, every allocation and free of torch's
+CPU allocator in time order (compiled code's buffers included), cumulated; unlike RSS it sees a few KiB as well as
+a few MiB, and nothing but tensors.
+
 DataLoader worker processes are not counted; run the benchmarks with ``num_workers=0`` or read
 their memory separately.
 """
@@ -23,14 +27,17 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["PeakMemory", "kernel_peak_rss_available", "measure_peak", "return_freed_memory_above"]
+__all__ = ["PeakMemory", "allocated_peak", "kernel_peak_rss_available", "measure_peak", "return_freed_memory_above"]
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 CpuMethod = Literal["auto", "kernel", "sample"]
 _T = TypeVar("_T")
+_CPU = DeviceType.CPU
 
 
 def kernel_peak_rss_available() -> bool:
@@ -176,3 +183,17 @@ def measure_peak(fn: Callable[[], _T], device: Any = "cpu") -> tuple[_T, int]:
     before = memory.current()
     result = fn()
     return result, int(memory.stop()["peak_bytes"] - before)
+
+
+def allocated_peak(fn: Callable[[], _T]) -> tuple[_T, int]:
+    """``fn()`` and the most bytes of CPU tensors it held at once beyond those alive before it: the profiler's
+    ``[memory]`` events (one per allocation, positive, and per free, negative) summed in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    # kineto_results keeps each allocator event; prof.events() nets them per operator, losing the peak inside one.
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return result, peak

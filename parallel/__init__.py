@@ -8,7 +8,8 @@ interpreter. The Lightning adapters that plug these parts into a Trainer live in
 Modules, one concern each:
 
 - ``sync_config``: the gradient-sync vocabulary (modes, default bucket caps), in one place.
-- ``dist_utils``: small process-group helpers shared by the modules below.
+- ``dist_utils``: small process-group helpers shared by the modules below; ``torch_compat``: what moved
+  between the supported torch releases (2.11 and later).
 - ``syncbn_function``, ``syncbn``: SyncBatchNorm as an autograd Function (one collective
   forward, one backward) and its ``BatchNorm*d`` drop-in module; ``syncbn_kernels``: its passes
   over x-sized memory, eager (the reference) or compiled with ``torch.compile``.

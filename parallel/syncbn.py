@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from parallel.syncbn_function import StatsExchange, sync_batch_norm
 from parallel.syncbn_kernels import COMPILED_KERNELS
+from parallel.torch_compat import drop_bias, make_norm, norm_bias_kwargs, reset_norm_parameters
 
 __all__ = ["SyncBatchNorm"]
 
@@ -31,11 +33,12 @@ class SyncBatchNorm(_BatchNorm):
     """BatchNorm over (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W) with cross-rank statistics.
 
     Statistics are synchronised only in training mode when ``torch.distributed`` is initialised
-    and the group has more than one rank; otherwise the layer is ordinary BatchNorm (same math,
-    no communication). Eval mode uses the running statistics like torch. Every rank of the group
-    must call forward and backward of this layer the same number of times, also ranks whose
-    local batch is empty. A layer made by :meth:`convert` accepts the input ranks the replaced
-    layer accepted (``BatchNorm2d``: 4D only); one built directly accepts 2D to 5D.
+    and the group has more than one rank; otherwise the layer runs torch's native batch norm, as
+    ``torch.nn.SyncBatchNorm`` does (one rank pays nothing for the layer). Eval mode uses the
+    running statistics like torch. Every rank of the group must call forward and backward of this
+    layer the same number of times, also ranks whose local batch is empty. A layer made by
+    :meth:`convert` accepts the input ranks the replaced layer accepted (``BatchNorm2d``: 4D only);
+    one built directly accepts 2D to 5D.
 
     Args:
         num_features: Number of channels C.
@@ -52,6 +55,9 @@ class SyncBatchNorm(_BatchNorm):
             the eager kernel, fused: :mod:`parallel.syncbn_kernels`); the first training step
             compiles (~20 s on CPU with a cold inductor cache, ~3 s per new layer shape). If
             compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md.
+        force_sync: Run the hand-written synchronising kernel where nothing is synchronised as well
+            (a one-rank group: its collectives run on it; no process group: local statistics), not
+            torch's native batch norm: for benchmarks and tests of the kernel.
     """
 
     def __init__(
@@ -67,19 +73,27 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
         compile: bool = False,
+        force_sync: bool = False,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
-        if not isinstance(compile, bool):
-            raise TypeError(f"SyncBatchNorm: compile={compile!r} must be a bool (True: torch.compile the kernel)")
+        factory = {"device": device, "dtype": dtype, **norm_bias_kwargs(bias)}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, **factory)
+        drop_bias(self, bias)
+        for name, flag in (("compile", compile), ("force_sync", force_sync)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"SyncBatchNorm: {name}={flag!r} must be a bool")
         self.process_group = process_group
         # Not `self.compile`: that is nn.Module.compile(), which compiles the whole module.
         self.compile_kernel = compile
+        self.force_sync = force_sync
         # The layer `convert` replaced, so that `revert` hands back that very object. Set with
         # object.__setattr__: registered as a submodule it would enter state_dict, parameters()
         # and module traversals twice.
         object.__setattr__(self, "_original_module", None)
         # Another transport for this layer's two collectives (use_exchange); not state: never pickled.
         self._exchange: StatsExchange | None = None
+
+    def reset_parameters(self) -> None:
+        reset_norm_parameters(self)
 
     @property
     def original_module(self) -> _BatchNorm | None:
@@ -122,20 +136,14 @@ class SyncBatchNorm(_BatchNorm):
         else:  # running stats are updated only in training (eval without them uses batch stats)
             running_mean = running_var = None
         group, world_size = self._sync_group()
-        kernels = COMPILED_KERNELS if self.compile_kernel else None
-        output = sync_batch_norm(
-            input,
-            self.weight,
-            self.bias,
-            running_mean,
-            running_var,
-            momentum,
-            self.eps,
-            group,
-            world_size,
-            kernels,
-            self._exchange if group is not None else None,
-        )
+        if group is None and not self.force_sync:
+            # Nothing to synchronise: torch's own fused kernel (cuDNN on a GPU), as torch's SyncBatchNorm does.
+            output = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps)
+        else:
+            kernels = COMPILED_KERNELS if self.compile_kernel else None
+            exchange = self._exchange if group is not None else None
+            args = (self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size)
+            output = sync_batch_norm(input, *args, kernels, exchange)
         if running_mean is not None:
             # Counted once the statistics are in, as the running averages are: a forward that fails in
             # its collective (a peer lost) leaves the layer as it was, and a checkpoint written then
@@ -149,7 +157,7 @@ class SyncBatchNorm(_BatchNorm):
             return None, 1
         group = dist.group.WORLD if self.process_group is None else self.process_group
         world_size = dist.get_world_size(group)
-        return (group, world_size) if world_size > 1 else (None, 1)
+        return (group, world_size) if world_size > 1 or self.force_sync else (None, 1)
 
     def _normalize_with_running_stats(self, input: Tensor) -> Tensor:
         """Eval mode: a fixed per-channel affine map; plain ops, so autograd derives it."""
@@ -187,7 +195,11 @@ class SyncBatchNorm(_BatchNorm):
         return (2 * max(channels, default=0) + 1) * torch.float64.itemsize
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", compile=True" if self.compile_kernel else "")
+        text = super().extra_repr()
+        if self.affine and self.bias is None and "bias=" not in text:  # torch < 2.12 does not show it
+            text += ", bias=False"
+        flags = {"compile": self.compile_kernel, "force_sync": self.force_sync}
+        return text + "".join(f", {name}=True" for name, on in flags.items() if on)
 
     @classmethod
     def convert(
@@ -268,15 +280,8 @@ class SyncBatchNorm(_BatchNorm):
             return module
         original = module._original_module
         if original is None:
-            original = _BatchNormXd(
-                module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
-                device="meta",
-                bias=module.bias is not None,
-            )
+            args = (module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            original = make_norm(_BatchNormXd, *args, device="meta", bias=module.bias is not None)
         _move_state(module, original)
         return original
 

@@ -51,11 +51,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from parallel.syncbn_kernels import EAGER_KERNELS, Kernels
+from parallel.torch_compat import all_gather_single
 
 __all__ = ["StatsExchange", "sync_batch_norm"]
-
-# torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class StatsExchange(Protocol):
@@ -243,7 +241,7 @@ def _gather_moments(
         gathered = exchange.all_gather(stats)
     else:  # flat output: gloo accepts only the concatenated form, not a (world_size, K) stack
         gathered = stats.new_empty(world_size * stats.numel())
-        _all_gather_single(gathered, stats, group=group)
+        all_gather_single(gathered, stats, group=group)
     count, reference, mean_shift, m2 = _merge_moments(gathered.view(world_size, -1))
     # The offset from this rank's m0 as (reference - m0) + shift: the first difference is exact
     # when both are close, so the output does not round the global mean (~|mu| ulp) twice.

@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from parallel.torch_compat import make_norm
+
 
 def _eval_metrics() -> nn.ModuleDict:
     return nn.ModuleDict(
@@ -264,7 +266,7 @@ class ConvBNModule(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Conv2d(3, 4, 3, padding=1, bias=False),
-            nn.BatchNorm2d(4, bias=False),
+            make_norm(nn.BatchNorm2d, 4, bias=False),  # torch < 2.12: no bias= (parallel.torch_compat)
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),

@@ -53,31 +53,31 @@ def init_affine(layer: nn.Module, num_features: int) -> None:
         layer.bias.copy_(torch.randn(num_features, generator=generator))
 
 
-def train_and_eval(layer: nn.Module, case: Case, rows: slice, dtype: torch.dtype) -> dict:
-    """Run ``case`` through ``layer`` on the given rows of every global batch."""
+def train_and_eval(layer: nn.Module, case: Case, rows: slice, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """Run ``case`` through ``layer`` (on ``device``) on the given rows of every global batch; results on the CPU."""
     init_affine(layer, case.num_features)
     outputs, input_grads = [], []
     for step in range(case.steps):
-        x, grad, _ = case.batch(step, dtype)
+        x, grad, _ = (t.to(device) for t in case.batch(step, dtype))
         x = x[rows].clone()
         if case.channels_last:
             x = x.to(memory_format=torch.channels_last)
         x.requires_grad_()
         out = layer(x)
         out.backward(grad[rows])
-        outputs.append(out.detach())
-        input_grads.append(x.grad)
+        outputs.append(out.detach().cpu())
+        input_grads.append(x.grad.cpu())
     layer.eval()
-    eval_out = layer(case.batch(case.steps - 1, dtype)[2])
+    eval_out = layer(case.batch(case.steps - 1, dtype)[2].to(device))
     return {
         "outputs": outputs,
         "input_grads": input_grads,
-        "weight_grad": layer.weight.grad,
-        "bias_grad": layer.bias.grad,
-        "running_mean": layer.running_mean,
-        "running_var": layer.running_var,
-        "num_batches_tracked": layer.num_batches_tracked,
-        "eval_output": eval_out.detach(),
+        "weight_grad": layer.weight.grad.cpu(),
+        "bias_grad": layer.bias.grad.cpu(),
+        "running_mean": layer.running_mean.cpu(),
+        "running_var": layer.running_var.cpu(),
+        "num_batches_tracked": layer.num_batches_tracked.cpu(),
+        "eval_output": eval_out.detach().cpu(),
     }
 
 
@@ -100,7 +100,8 @@ def make_layer(case: Case) -> SyncBatchNorm:
     if case.compile:
         parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
         no_silent_fallback()
-    return SyncBatchNorm(case.num_features, momentum=case.momentum, compile=case.compile)
+    # force_sync: a one-rank case runs the hand-written kernel too, not torch's native batch norm.
+    return SyncBatchNorm(case.num_features, momentum=case.momentum, compile=case.compile, force_sync=True)
 
 
 def no_silent_fallback() -> None:

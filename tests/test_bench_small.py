@@ -75,6 +75,18 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     assert row["compile_s"] < 5 and "first call (empty inductor cache, 2-rank run)" in _whats(saved)
 
 
+@pytest.mark.distributed
+def test_syncbn_on_one_rank_forces_the_synchronising_path_in_bfloat16(tmp_path: Path) -> None:
+    """The one-GPU command's shape (``--world-size 1 --dtype bfloat16``), dry-run on CPU: one run, which is also
+    the one-rank rows; the kernel runs its collectives on the 1-rank group (``force_sync``)."""
+    argv = ["--quick", "--world-size", "1", "--dtype", "bfloat16", "--shapes", "8x16", "--rounds", "2", "--iters", "2"]
+    record = syncbn.main([*argv, "--out", str(tmp_path)])
+    saved = _check_saved(tmp_path, [e for row in record["rows"] for e in row["ratios"].values()])
+    assert saved["config"]["dtype"] == "bfloat16" and saved["config"]["world_size"] == 1
+    assert saved["rows"][0]["samples_s"] == saved["one_rank_rows"][0]["samples_s"]
+    assert {"custom/floor", "custom/local", "custom/python_floor"} <= set(saved["rows"][0]["ratios"])
+
+
 def test_syncbn_takes_the_slowest_rank_per_iteration() -> None:
     per_rank = [{"custom": [1.0, 5.0, 2.0], "local": [1.0]}, {"custom": [3.0, 1.0, 2.5], "local": [2.0]}]
     assert syncbn.slowest_ranks(per_rank) == {"custom": [3.0, 5.0, 2.5], "local": [2.0]}

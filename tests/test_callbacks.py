@@ -129,6 +129,22 @@ def test_peak_memory_sees_a_transient_allocation_and_resets(method):
     assert math.isnan(probe.stop()["peak_reserved_bytes"])
 
 
+def test_allocated_peak_sees_small_and_transient_tensors_and_only_them():
+    """12 KiB at most held at once (3 live 4 KiB tensors, one freed inside the call): RSS cannot see that."""
+
+    def call() -> torch.Tensor:
+        x = torch.ones(1024)
+        y = x * 2
+        z = y + 1
+        del x, y
+        return z
+
+    result, peak = memory_mod.allocated_peak(call)
+    assert torch.equal(result, torch.full((1024,), 3.0))
+    assert 3 * 4096 <= peak < 3 * 4096 + 1024  # a few scalar temporaries on top
+    assert memory_mod.allocated_peak(lambda: None)[1] == 0
+
+
 def test_peak_memory_rejects_unknown_method():
     with pytest.raises(ValueError, match="method must be"):
         memory_mod.PeakMemory(CPU, method="rusage")

@@ -108,6 +108,16 @@ def test_fp16_mixed_on_two_gpus_matches_lightning_ddp() -> None:
     assert_states_close(actual, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_fit_matches_one_process_without_the_strategy() -> None:
+    """devices=1: a 1-rank NCCL group, SyncBatchNorm running torch's native (cuDNN) batch norm."""
+    options = dict(accelerator="gpu", devices=1, accumulate_grad_batches=2)
+    actual = _fit(ToyModule(batchnorm=True), custom_strategy(), **options)
+    expected = _fit(ToyModule(batchnorm=True), "auto", **options)
+    assert_states_close(actual, expected)
+
+
 def test_syncbn_matches_one_process_on_global_batches() -> None:
     # Each rank: batches of 4, two micro-batches per step; reference: batches of 8, same steps.
     actual = _fit(ToyModule(batchnorm=True), custom_strategy(), accumulate_grad_batches=2)

@@ -15,7 +15,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MAX_README_LINES = 250
 # .ci/run runs exactly these; the README shows them verbatim, each as a code block of its own.
 COMMANDS = [
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' && "
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[dev]' && "
     "python train.py fit --config configs/quickstart.yaml",
     'pytest -m "not slow and not gpu"',
 ]

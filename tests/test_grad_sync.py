@@ -82,7 +82,7 @@ def _train_synced(
     call_finish: bool = True,
 ) -> dict:
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: every rank on it
     torch.manual_seed(100 + rank)  # ranks start different: the initial broadcast must fix it
     net = _Net().to(device=device, dtype=dtype)
     model = SyncedDataParallel(net, mode=mode, **_SMALL_BUCKETS, **options)
@@ -217,6 +217,19 @@ def test_two_rank_nccl_training_matches_single_process(tmp_path):
         start_method="spawn",
         timeout_s=120,
     )
+    reference = _train_reference(_WORLD_SIZE, 3)
+    for result in results:
+        _assert_close_to_reference(result, reference, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_sharing_one_gpu_over_gloo_match_single_process(tmp_path):
+    """The CUDA path of the buckets on one GPU: gloo all-reduces CUDA tensors (host-staged)."""
+    args = ("bucketed", 3, torch.float64, {}, "cuda")
+    kwargs = {"init_file": tmp_path / "store", "start_method": "spawn", "timeout_s": 120}
+    results = run_workers(_train_synced, _WORLD_SIZE, args=args, **kwargs)
     reference = _train_reference(_WORLD_SIZE, 3)
     for result in results:
         _assert_close_to_reference(result, reference, atol=1e-6)

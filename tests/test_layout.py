@@ -53,6 +53,7 @@ def test_core_has_the_modules_the_readme_lists():
         "parallel.syncbn",
         "parallel.syncbn_function",
         "parallel.syncbn_kernels",
+        "parallel.torch_compat",
         "parallel.uneven_gather",
         "parallel.zero",
     ]

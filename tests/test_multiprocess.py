@@ -69,6 +69,13 @@ def test_bad_arguments_name_the_fix(tmp_path):
         run_workers(_sum_of_ranks, 2, init_file=used)
 
 
+def test_a_fork_after_cuda_was_initialised_is_refused_naming_spawn(monkeypatch):
+    """The child of such a fork dies in its first CUDA call ('Cannot re-initialize CUDA in forked subprocess')."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="start_method='spawn'"):
+        run_workers(_sum_of_ranks, 2)
+
+
 def test_its_own_store_folder_is_removed_after_success_and_failure(tmp_path, monkeypatch):
     """Without an init_file the launcher makes a temporary folder for the store and leaves none behind,
     also when a rank died (the store's file then outlives the group)."""

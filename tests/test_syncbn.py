@@ -1,5 +1,8 @@
 """SyncBatchNorm in one process (no process group): torch BatchNorm semantics, conversion, errors.
 
+Without a process group the layer runs torch's native batch norm; ``force_sync=True`` runs the hand-written
+kernel instead (local statistics), and each test of behaviour runs both ways (``path``).
+
 Multi-rank parity lives in test_syncbn_distributed.py and the assignment's grid in
 test_syncbn_grid.py.
 """
@@ -12,13 +15,18 @@ from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
 from parallel.syncbn import SyncBatchNorm
+from parallel.torch_compat import make_norm
 from strategies.training.layer_sync import CustomSyncBatchNorm
 
+# The layer's two ways in one process: torch's native batch norm (default) and the hand-written kernel.
+PATHS = pytest.mark.parametrize("path", [{}, {"force_sync": True}], ids=["native", "kernel"])
 
-def _pair(torch_class, num_features, **kwargs):
+
+def _pair(torch_class, num_features, path, bias=True, **kwargs):
     """A torch BatchNorm and a SyncBatchNorm with equal, non-trivial affine parameters."""
-    reference = torch_class(num_features, **kwargs).double()
-    ours = SyncBatchNorm(num_features, **kwargs).double()
+    reference = make_norm(torch_class, num_features, bias=bias, **kwargs).double()  # torch < 2.12: no bias=
+    kwargs["bias"] = bias
+    ours = SyncBatchNorm(num_features, **path, **kwargs).double()
     if reference.affine:
         with torch.no_grad():
             reference.weight.uniform_(0.5, 1.5)
@@ -50,8 +58,9 @@ def _step(layer, x, grad):
     [{}, {"momentum": None}, {"affine": False}, {"track_running_stats": False}, {"bias": False}],
     ids=["default", "cumulative", "no-affine", "no-running-stats", "no-bias"],
 )
-def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kwargs):
-    reference, ours = _pair(torch_class, shape[1], **kwargs)
+@PATHS
+def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kwargs, path):
+    reference, ours = _pair(torch_class, shape[1], path, **kwargs)
     generator = torch.Generator().manual_seed(0)
     for mode in ("train", "train", "eval"):
         reference.train(mode == "train")
@@ -68,9 +77,10 @@ def test_matches_torch_batch_norm_without_a_process_group(torch_class, shape, kw
     assert (ours.bias is None) == (reference.bias is None)
 
 
-def test_channels_last_input_gives_channels_last_output_and_grad():
+@PATHS
+def test_channels_last_input_gives_channels_last_output_and_grad(path):
     x = torch.randn(4, 6, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
-    out = SyncBatchNorm(6)(x)
+    out = SyncBatchNorm(6, **path)(x)
     out.backward(torch.randn_like(out))
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
@@ -78,7 +88,7 @@ def test_channels_last_input_gives_channels_last_output_and_grad():
 
 def test_saves_only_the_input_and_per_channel_vectors_for_backward():
     x = torch.randn(8, 16, 4, 4, requires_grad=True)
-    out = SyncBatchNorm(16)(x)
+    out = SyncBatchNorm(16, force_sync=True)(x)
     saved = out.grad_fn.saved_tensors
     assert saved[0].data_ptr() == x.data_ptr()  # the input itself, no normalised copy
     assert all(t.numel() <= 16 for t in saved[1:])
@@ -93,19 +103,22 @@ def test_saves_only_the_input_and_per_channel_vectors_for_backward():
         (torch.ones(2, 4, dtype=torch.int64), "floating-point"),
     ],
 )
-def test_bad_input_raises_a_value_error_naming_the_fix(x, message):
+@PATHS
+def test_bad_input_raises_a_value_error_naming_the_fix(x, message, path):
     with pytest.raises(ValueError, match=message):
-        SyncBatchNorm(4)(x)
+        SyncBatchNorm(4, **path)(x)
 
 
-def test_one_value_per_channel_in_training_raises_like_torch():
+@PATHS
+def test_one_value_per_channel_in_training_raises_like_torch(path):
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        SyncBatchNorm(3)(torch.randn(1, 3))
-    SyncBatchNorm(3).eval()(torch.randn(1, 3))  # eval mode needs no batch statistics
+        SyncBatchNorm(3, **path)(torch.randn(1, 3))
+    SyncBatchNorm(3, **path).eval()(torch.randn(1, 3))  # eval mode needs no batch statistics
 
 
-def test_empty_batch_returns_empty_and_keeps_running_stats():
-    layer = SyncBatchNorm(3)
+@PATHS
+def test_empty_batch_returns_empty_and_keeps_running_stats(path):
+    layer = SyncBatchNorm(3, **path)
     x = torch.randn(0, 3, 4, requires_grad=True)
     out = layer(x)
     out.sum().backward()
@@ -123,7 +136,7 @@ def test_a_forward_whose_collective_fails_leaves_the_layer_as_it_was(monkeypatch
     def lost_peer(*args, **kwargs):
         raise RuntimeError("Connection closed by peer")
 
-    layer = SyncBatchNorm(3, momentum=None)
+    layer = SyncBatchNorm(3, momentum=None, force_sync=True)
     layer(torch.randn(4, 3))
     monkeypatch.setattr(parallel.syncbn, "sync_batch_norm", lost_peer)
     with pytest.raises(RuntimeError, match="closed by peer"):
@@ -199,10 +212,10 @@ def test_layer_sync_plugin_applies_and_reverts():
 
 
 def test_convert_without_bias_keeps_bias_none_and_matches_torch():
-    reference = nn.BatchNorm2d(4, bias=False).double()
+    reference = make_norm(nn.BatchNorm2d, 4, bias=False).double()
     with torch.no_grad():
         reference.weight.uniform_(0.5, 1.5)
-    layer = nn.BatchNorm2d(4, bias=False).double()
+    layer = make_norm(nn.BatchNorm2d, 4, bias=False).double()
     layer.load_state_dict(reference.state_dict())
     converted = SyncBatchNorm.convert(layer)
     assert type(converted) is SyncBatchNorm and converted.bias is None

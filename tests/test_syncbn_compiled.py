@@ -41,7 +41,7 @@ def _parity_worker(rank: int, world_size: int, case) -> dict:
     eager = sync_worker(rank, world_size, replace(case, compile=False))
     graphs_before = counters["stats"]["unique_graphs"]
     compiled = sync_worker(rank, world_size, case)
-    layer = SyncBatchNorm(case.num_features, compile=True)
+    layer = SyncBatchNorm(case.num_features, compile=True, force_sync=True)
     x = torch.randn(case.sizes[rank], *case.feature_shape, requires_grad=True)
     out = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -102,7 +102,7 @@ def _fallback_worker(rank: int, world_size: int, failure: str) -> dict:
         parallel.syncbn.COMPILED_KERNELS = compiled_kernels(
             backend=_failing_backend, min_elements=0, spatial_only=False
         )
-    compiled, eager = SyncBatchNorm(3, compile=True), SyncBatchNorm(3)
+    compiled, eager = SyncBatchNorm(3, compile=True, force_sync=True), SyncBatchNorm(3, force_sync=True)
     x = 2.0 + torch.randn(4, 3, 5, 5, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -159,7 +159,7 @@ def test_layers_carry_the_option_through_convert_and_repr():
 def _recompile_worker(rank: int, world_size: int) -> list[int]:
     parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
     no_silent_fallback()
-    layers = [SyncBatchNorm(16, compile=True), SyncBatchNorm(16, compile=True), SyncBatchNorm(8, compile=True)]
+    layers = [SyncBatchNorm(n, compile=True, force_sync=True) for n in (16, 16, 8)]
 
     def graphs_after(layer: nn.Module, *batch_sizes: int) -> int:
         before = counters["stats"]["unique_graphs"]
@@ -195,7 +195,7 @@ def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compil
     generator = torch.Generator().manual_seed(3)
     x, grad = (torch.randn(10, 6, 4, 4, generator=generator).to(dtype) for _ in range(2))
     rows = slice(0, 4) if rank == 0 else slice(4, 10)
-    layer = SyncBatchNorm(6, compile=compile).to(dtype)
+    layer = SyncBatchNorm(6, compile=compile, force_sync=True).to(dtype)
     x = x[rows].clone().requires_grad_()
     out = layer(x)
     out.backward(grad[rows])

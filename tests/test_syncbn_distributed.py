@@ -22,6 +22,7 @@ from syncbn_cases import (
     reference,
     sync_worker,
     timeout_s,
+    train_and_eval,
     with_compiled,
 )
 from torch import nn
@@ -31,6 +32,7 @@ import parallel.syncbn
 from benchmarks.launcher import run_workers
 from parallel.grad_sync import SyncedDataParallel
 from parallel.syncbn import SyncBatchNorm
+from parallel.torch_compat import make_norm
 
 pytestmark = pytest.mark.distributed
 
@@ -131,20 +133,55 @@ def _collective_count_worker(rank: int, world_size: int) -> dict[str, int]:
     return counts
 
 
+def _one_gpu_worker(rank: int, world_size: int, name: str) -> dict:
+    torch.cuda.set_device(0)  # every rank on the one GPU; gloo stages the collectives through the host
+    case = CASES[name]
+    return train_and_eval(make_layer(case).cuda(), case, case.shard(rank), torch.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["4d-conv", "empty-rank"])
+def test_two_ranks_sharing_one_gpu_over_gloo_match_one_process(tmp_path, name):
+    """The CUDA path of the kernel on one GPU (spawn: a forked child cannot use CUDA)."""
+    kwargs = {"init_file": tmp_path / "store", "start_method": "spawn", "timeout_s": 120}
+    results = run_workers(_one_gpu_worker, 2, args=(name,), **kwargs)
+    assert_matches(results, reference(CASES[name]), atol=1e-4, rtol=1e-4)
+
+
 def test_one_collective_per_forward_and_per_backward(tmp_path):
     results = run_workers(_collective_count_worker, 2, init_file=tmp_path / "store")
     expected = {"train_forward": 1, "train_backward": 1, "eval_forward_backward": 0}
     assert results == [expected, expected]
 
 
-def _single_rank_worker(rank: int, world_size: int) -> int:
-    layer = SyncBatchNorm(4)
-    x = torch.randn(6, 4, requires_grad=True)
-    return _count_collectives(lambda: layer(x).square().sum().backward())
+def _single_rank_worker(rank: int, world_size: int) -> dict[str, object]:
+    """A one-rank world: torch's native batch norm (the same bits as ``nn.BatchNorm1d``, no collective); with
+    ``force_sync`` the hand-written kernel and its two collectives on the one-rank group."""
+    x = torch.randn(6, 4) + 3.0
+    result = {}
+    for force_sync in (False, True):
+        layer, reference = SyncBatchNorm(4, force_sync=force_sync), nn.BatchNorm1d(4)
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            layer(inputs[0]).square().sum().backward()
+        reference(inputs[1]).square().sum().backward()
+        names = [event.name for event in prof.events()]
+        result[force_sync] = {
+            "collectives": sum(1 for name in names if name.startswith("c10d::")),
+            "native": "aten::native_batch_norm" in names,
+            "same_bits": torch.equal(inputs[0].grad, inputs[1].grad)
+            and torch.equal(layer.running_var, reference.running_var),
+            "close": torch.allclose(inputs[0].grad, inputs[1].grad, atol=1e-5),
+        }
+    return result
 
 
-def test_world_size_one_communicates_nothing(tmp_path):
-    assert run_workers(_single_rank_worker, 1, init_file=tmp_path / "store") == [0]
+def test_world_size_one_runs_torch_native_batch_norm_and_communicates_nothing(tmp_path):
+    (result,) = run_workers(_single_rank_worker, 1, init_file=tmp_path / "store")
+    assert result[False] == {"collectives": 0, "native": True, "same_bits": True, "close": True}
+    forced = result[True]
+    assert (forced["collectives"], forced["native"], forced["close"]) == (2, False, True)
 
 
 # A conv net trained for 2 SGD steps: converted + gradient averaging on 2 ranks with uneven
@@ -156,10 +193,10 @@ def _conv_net(norm_kwargs: dict) -> nn.Module:
     torch.manual_seed(11)
     return nn.Sequential(
         nn.Conv2d(3, 6, 3, padding=1, bias=False),
-        nn.BatchNorm2d(6, **norm_kwargs),
+        make_norm(nn.BatchNorm2d, 6, **norm_kwargs),
         nn.ReLU(),
         nn.Conv2d(6, 4, 3),
-        nn.BatchNorm2d(4, momentum=None, **norm_kwargs),
+        make_norm(nn.BatchNorm2d, 4, momentum=None, **norm_kwargs),
         nn.Flatten(),
         nn.Linear(4 * 4 * 4, 3),
     ).double()

@@ -35,7 +35,7 @@ def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int, comp
     global_batch = _global_batch(world_size, hid_dim, batch_size)
     first = rank * batch_size
     local = global_batch[first : first + batch_size].clone().requires_grad_()
-    out = SyncBatchNorm(hid_dim, compile=compile)(local)
+    out = SyncBatchNorm(hid_dim, compile=compile, force_sync=True)(local)  # the kernel on 1 rank too
     # This rank's rows among the first B/2 global rows (none on ranks 2 and 3 of 4); every
     # rank still runs backward, which joins the backward collective.
     rows_in_loss = min(max(world_size * batch_size // 2 - first, 0), batch_size)
