@@ -5,8 +5,8 @@ differ between CPUs), whether the run was comparable, and the rows of the benchm
 ``headline(record)`` (what against what, value [95 % CI], verdict), between ``<!-- results:begin -->``
 and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's headline, between
 ``<!-- headline:begin -->`` and ``<!-- headline:end -->``: the ``HEADLINE_WHAT`` rows of the
-``HEADLINE_RECORDS`` (custom_ddp against Lightning's ddp tuned in Lightning fits), one per machine and
-cell, the one with the most samples where a cell was measured twice::
+``HEADLINE_RECORDS`` (custom_ddp, with local BN and with its SyncBatchNorm, against Lightning's ddp tuned in
+Lightning fits), one per machine and cell, the one with the most samples where a cell was measured twice::
 
     python -m benchmarks.readme_results --write     # after committing new results: both blocks
     python -m benchmarks.readme_results             # exit 1 if either differs (the tests check them too)
@@ -33,7 +33,11 @@ RESULTS, README, PAGE = ROOT / "benchmarks" / "results", ROOT / "README.md", ROO
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
 HEADLINE_RECORDS = ("compare_localbn", "paired_fits")  # record folders whose names start so
-HEADLINE_WHAT = "custom_ddp (local BN) / ddp tuned (local BN): step time, "
+# The headline's ratios (row prefix -> the short label a README row starts with).
+HEADLINE_WHAT = {
+    "custom_ddp (local BN) / ddp tuned (local BN): step time, ": "local BN: ",
+    "custom_ddp (SyncBN) / ddp tuned (local BN): step time, ": "SyncBN: ",
+}
 # Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
 _STEP_DRAWN = (
     " **Intervals too narrow:** written before intervals drew whole runs (they drew single steps, "
@@ -115,8 +119,10 @@ def render_headline(results: Path = RESULTS, page: Path = README) -> str:
             continue
         where = machine(record["environment"])
         for row in _rows(_module(name, record), record):
-            if row["what"].startswith(HEADLINE_WHAT):
-                what = f"{row['what'].removeprefix(HEADLINE_WHAT)}; {where}, [{name}]({_report(name, page)})"
+            prefix = next((p for p in HEADLINE_WHAT if row["what"].startswith(p)), None)
+            if prefix is not None:
+                cell = HEADLINE_WHAT[prefix] + row["what"].removeprefix(prefix)
+                what = f"{cell}; {where}, [{name}]({_report(name, page)})"
                 key, samples = (where, row["what"]), _samples(row["value"])
                 if key not in cells or samples > cells[key][0]:
                     cells[key] = (samples, {**row, "what": what})

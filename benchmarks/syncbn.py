@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import parallel.syncbn
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
 from benchmarks.launcher import run_workers
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
@@ -47,6 +48,7 @@ from measure.timing import aligned_seconds
 from parallel.host_exchange import open_shared_memory_exchange
 from parallel.host_reduce import open_shared_memory_all_reduce
 from parallel.syncbn import SyncBatchNorm
+from parallel.syncbn_function import sync_batch_norm
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
@@ -75,6 +77,21 @@ class _TorchSyncFunction(nn.BatchNorm2d):
         world = dist.group.WORLD
         stats = (self.running_mean, self.running_var, self.eps, self.momentum)
         return function.apply(x, self.weight, self.bias, *stats, world, dist.get_world_size(world))
+
+
+class _LocalKernel(nn.Module):
+    """``layer``'s hand-written kernel with no group: the kernel alone, its arithmetic and dispatch without a
+    collective (a one-rank group would add its own collectives' cost: that is the one-GPU run's question)."""
+
+    def __init__(self, layer: SyncBatchNorm) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        kernels = parallel.syncbn.COMPILED_KERNELS if layer.compile_kernel else None
+        stats = (layer.running_mean, layer.running_var, layer.momentum, layer.eps)
+        return sync_batch_norm(x, layer.weight, layer.bias, *stats, None, 1, kernels)
 
 
 class _PythonFloor(nn.Module):
@@ -115,6 +132,8 @@ def _methods(
 
         return run
 
+    if cfg.get("local_kernel"):
+        layers |= {name: _LocalKernel(layers[name]) for name in ("custom", "compiled")}
     SyncBatchNorm.use_exchange(layers["shared"], exchange, None)
     names = [name for name in names if name != "shared" or exchange is not None]
     return {name: fwd_bwd(name, layer.to(device)) for name, layer in layers.items() if name in names}
@@ -322,8 +341,9 @@ def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[st
         methods = ("custom", "shared", "compiled", "local", "floor", "torch_syncbn", *one_rank_run * ("python_floor",))
         synchronised = {"methods": methods, "inductor_cache": cache}
         per_rank = run_workers(_worker, cfg["world_size"], args=(shapes, cfg | synchronised), **launch)
-        # The kernel alone: a 1-rank group (its collectives on one rank), custom against native BN, timing only.
+        # The kernel alone (no collective), custom against native BN, timing only.
         alone = {"methods": ("custom", "compiled", "local", "python_floor"), "memory": False, "inductor_cache": cache}
+        alone |= {"local_kernel": True}
         one_rank = per_rank if one_rank_run else run_workers(_worker, 1, args=(shapes, cfg | alone), **launch)
     cfg["threads"] = per_rank[0]["threads"]
     return {
