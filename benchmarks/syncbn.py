@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm  # private: torch's SyncBN kernels
 
 import parallel.syncbn
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
@@ -72,11 +73,9 @@ class _TorchSyncFunction(nn.BatchNorm2d):
         pass  # (N, C) and (N, C, H, W) alike, as the Function takes them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.nn.modules._functions import SyncBatchNorm as function  # private: torch's own SyncBN kernels
-
         world = dist.group.WORLD
         stats = (self.running_mean, self.running_var, self.eps, self.momentum)
-        return function.apply(x, self.weight, self.bias, *stats, world, dist.get_world_size(world))
+        return _torch_sync_batch_norm.apply(x, self.weight, self.bias, *stats, world, dist.get_world_size(world))
 
 
 class _LocalKernel(nn.Module):
