@@ -28,8 +28,8 @@ from benchmarks import harness, report
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
 from measure.stats import difference_ci, median_ci, ratio_ci
-from parallel.grad_sync import SyncedDataParallel
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.gradients.grad_sync import SyncedDataParallel
 from strategies.options import CustomDDPOptions
 
 NETS = {"template": (TemplateNet, 128), "resnet18": (CifarResNet18, 8)}

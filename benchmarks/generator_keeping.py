@@ -33,9 +33,9 @@ from benchmarks import harness, report
 from benchmarks.launcher import run_workers
 from lit_cifar.nets import TemplateNet
 from measure.stats import difference_ci, in_runs, ratio_ci
-from parallel.grad_sync import SyncedDataParallel
-from parallel.rng_state import encode_rng_state, rng_state
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.resume.rng_state import encode_rng_state, rng_state
 from strategies.fault_tolerance import WindowGenerators, connect_store
 
 MODES = ("off", "store", "store + mirror")

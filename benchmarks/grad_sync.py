@@ -36,9 +36,9 @@ from benchmarks.harness import interleave, parse, parser, run_benchmark, setting
 from benchmarks.launcher import run_workers
 from measure.collective_count import Window, count_collectives
 from measure.memory import measure_peak, return_freed_memory_above
-from parallel import host_reduce
-from parallel.grad_sync import SyncedDataParallel
-from parallel.zero import ShardedOptimizer
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.gradients.zero import ShardedOptimizer
+from parallel.host import host_reduce
 
 __all__ = ["TITLE", "VARIANTS", "headline", "main", "measure_model"]
 

@@ -1,4 +1,5 @@
-"""SyncBatchNorm benchmark: does ``parallel.syncbn.SyncBatchNorm`` cost more than local BN plus its all-reduces?
+"""SyncBatchNorm benchmark: does ``parallel.batchnorm.syncbn.SyncBatchNorm`` cost more than local BN plus its
+all-reduces?
 
     python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~6 minutes
     python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
@@ -6,11 +7,11 @@
     python -m benchmarks.syncbn --device cuda --world-size 1 --dtype bfloat16   # one GPU: a 1-rank NCCL group
 
 Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one forward+backward of
-``custom`` (``parallel.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
+``custom`` (``parallel.batchnorm.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
 with its statistics through shared memory, as ``custom_ddp`` runs it on one CPU host:
-``parallel.host_exchange``; target shared <= 1.0x floor), ``compiled`` (the same with ``compile=True``: its
+``parallel.host.host_exchange``; target shared <= 1.0x floor), ``compiled`` (the same with ``compile=True``: its
 passes ``torch.compile``'d; (N, C) and small inputs stay eager by design, see
-``parallel/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
+``parallel/batchnorm/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
 then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
 on CUDA ``torch_syncbn`` (torch's SyncBatchNorm autograd Function, called even on one rank, where its
 module would run cuDNN's BN); targets custom <= 1.2x floor (CPU), <= 1.0x torch_syncbn (CUDA). The
@@ -40,16 +41,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm  # private: torch's SyncBN kernels
 
-import parallel.syncbn
+import parallel.batchnorm.syncbn
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
 from benchmarks.launcher import run_workers
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from measure.memory import allocated_peak, measure_peak
 from measure.timing import aligned_seconds
-from parallel.host_exchange import open_shared_memory_exchange
-from parallel.host_reduce import open_shared_memory_all_reduce
-from parallel.syncbn import SyncBatchNorm
-from parallel.syncbn_function import sync_batch_norm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn_function import sync_batch_norm
+from parallel.host.host_exchange import open_shared_memory_exchange
+from parallel.host.host_reduce import open_shared_memory_all_reduce
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
@@ -88,7 +89,7 @@ class _LocalKernel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
-        kernels = parallel.syncbn.COMPILED_KERNELS if layer.compile_kernel else None
+        kernels = parallel.batchnorm.syncbn.COMPILED_KERNELS if layer.compile_kernel else None
         stats = (layer.running_mean, layer.running_var, layer.momentum, layer.eps)
         return sync_batch_norm(x, layer.weight, layer.bias, *stats, None, 1, kernels)
 

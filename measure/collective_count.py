@@ -18,22 +18,22 @@ after the last batch of an epoch lands in a window with ``batch_idx=None``.
 Attribution, first rule that matches:
 
 1. ``syncbn_forward`` / ``syncbn_backward``: issued inside the forward / backward of the SyncBN
-   autograd function (``parallel.syncbn_function._SyncBatchNormFunction`` or torch's
+   autograd function (``parallel.batchnorm.syncbn_function._SyncBatchNormFunction`` or torch's
    ``SyncBatchNorm``): an all_gather and an all_reduce per layer call; through shared memory
-   (:mod:`parallel.host_exchange`, ops ``shared_memory_all_gather`` / ``shared_memory_all_reduce``) they
+   (:mod:`parallel.host.host_exchange`, ops ``shared_memory_all_gather`` / ``shared_memory_all_reduce``) they
    count once each, at their profiler label.
 2. ``ddp_bucket_rebuild`` / ``ddp_buffers``: a broadcast inside ``DistributedDataParallel.forward``.
    The reducer's bucket rebuild sends int32 tensors (bucket sizes, then parameter indices; once,
    on the first forward after the first synced backward); any other dtype is the buffer sync
    (``broadcast_buffers``: one coalesced broadcast per buffer dtype, e.g. float32 running stats
    and int64 ``num_batches_tracked``), which DDP runs on the first forward after a synced one.
-3. ``buffer_broadcast``: the broadcast of :class:`parallel.buffer_sync.BufferBroadcast` (inside its
+3. ``buffer_broadcast``: the broadcast of :class:`parallel.gradients.buffer_sync.BufferBroadcast` (inside its
    ``SyncedDataParallel.broadcast_buffers`` profiler label): rank 0's buffers, all packed in one
    uint8 tensor, before each training forward (``broadcast_buffers=True``; none when every buffer
    is a SyncBN statistic), and once before validation / at the end of fit.
 4. ``grad_buckets``: an all_reduce of one tensor whose size equals a gradient bucket of the
    strategy's ``SyncedDataParallel`` (``model.buckets``, flags included). A bucket summed in shared
-   memory (:mod:`parallel.host_reduce`) counts once, at its launch (a profiler label naming the
+   memory (:mod:`parallel.host.host_reduce`) counts once, at its launch (a profiler label naming the
    buffer, op ``shared_memory_all_reduce``); the barriers its worker thread runs are not counted. Another all_reduce of
    exactly a bucket's size would be counted here too; none in this project has one.
 5. ``ddp_grad_buckets``: with a torch DDP model, a floating-point all_reduce issued during
@@ -64,10 +64,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from parallel.buffer_sync import BUFFER_BROADCAST
-from parallel.grad_sync import SyncedDataParallel
-from parallel.host_exchange import parse_exchange_label
-from parallel.host_reduce import WORKER_LABEL, parse_launch_label
+from parallel.gradients.buffer_sync import BUFFER_BROADCAST
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.host.host_exchange import parse_exchange_label
+from parallel.host.host_reduce import WORKER_LABEL, parse_launch_label
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
@@ -217,8 +217,8 @@ def _collective(event: Any, ancestors: list[str], hints: _Hints, before_batch: b
 
 def _shared_memory_label(name: str) -> tuple[str, str, int] | None:
     """``(kind, dtype, numel)`` of a collective through shared memory that the profiler label ``name`` marks: a
-    gradient bucket's launch (:func:`parallel.host_reduce.parse_launch_label`) or a SyncBatchNorm statistics
-    exchange (:func:`parallel.host_exchange.parse_exchange_label`); ``None`` for any other event."""
+    gradient bucket's launch (:func:`parallel.host.host_reduce.parse_launch_label`) or a SyncBatchNorm statistics
+    exchange (:func:`parallel.host.host_exchange.parse_exchange_label`); ``None`` for any other event."""
     bucket = parse_launch_label(name)
     return ("all_reduce", *bucket) if bucket else parse_exchange_label(name)
 

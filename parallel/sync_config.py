@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 SyncMode = Literal["bucketed", "flat", "per_param", "per_param_overlap"]
-"""How gradients are all-reduced: see :mod:`parallel.grad_sync`."""
+"""How gradients are all-reduced: see :mod:`parallel.gradients.grad_sync`."""
 
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 
@@ -43,7 +43,7 @@ GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
 
 GradTransport = Literal["auto", "process_group", "shared_memory"]
 """How gradient buckets are summed: ``process_group`` (``dist.all_reduce``), ``shared_memory``
-(:mod:`parallel.host_reduce`: CPU ranks of the default gloo group on one host, buffers every rank
+(:mod:`parallel.host.host_reduce`: CPU ranks of the default gloo group on one host, buffers every rank
 maps), ``auto`` (shared memory where it applies, else the process group)."""
 
 GRAD_TRANSPORTS: tuple[str, ...] = get_args(GradTransport)

@@ -2,7 +2,7 @@
 
 Wiring only: ``DDPStrategy`` keeps launching, cluster environments, the process group, ``barrier``/
 ``broadcast``/``reduce`` and checkpoint I/O; each replaced part lives in a room of its own:
-SyncBatchNorm while fitting, :class:`parallel.grad_sync.SyncedDataParallel` instead of torch DDP (no
+SyncBatchNorm while fitting, :class:`parallel.gradients.grad_sync.SyncedDataParallel` instead of torch DDP (no
 collective on accumulating micro-batches, averaged gradients when backward returns, rank 0's buffers
 before each training forward) and ZeRO-1 (:mod:`strategies.training`); each evaluation sample once with
 exact metrics (:mod:`strategies.evaluation`); a fit resumed mid-epoch trains only the batches not yet

@@ -90,7 +90,12 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
         "preemption",
         "Lightning's handler (broadcasts inside the handler) that preemption replaces",
     ),
-    Seam(None, "torchmetrics Metric._reductions", "parallel.metric_sync", "each state's reduction (no public path)"),
+    Seam(
+        None,
+        "torchmetrics Metric._reductions",
+        "parallel.evaluation.metric_sync",
+        "each state's reduction (no public path)",
+    ),
 )
 
 

@@ -102,7 +102,7 @@ class CustomDDPOptions:
 
     @property
     def grad_sync(self) -> GradSyncConfig:
-        """The core's gradient-sync config (:class:`parallel.grad_sync.SyncedDataParallel`'s arguments).
+        """The core's gradient-sync config (:class:`parallel.gradients.grad_sync.SyncedDataParallel`'s arguments).
         Under ``desync_check`` ``"auto"`` is the process group: torch's fingerprint check sees its
         collectives only, and buckets summed in shared memory would pair across steps unchecked."""
         transport = "process_group" if self.desync_check and self.grad_transport == "auto" else self.grad_transport

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import parallel.syncbn
-from parallel.syncbn import SyncBatchNorm
-from parallel.syncbn_kernels import compiled_kernels
+import parallel.batchnorm.syncbn
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn_kernels import compiled_kernels
 
 _TORCH_BATCH_NORM = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}
 
@@ -98,7 +98,7 @@ COMPILE_EVERY_SHAPE = compiled_kernels(min_elements=0, spatial_only=False)
 def make_layer(case: Case) -> SyncBatchNorm:
     """The layer under test (in a worker process: it may swap the compiled set for that process)."""
     if case.compile:
-        parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+        parallel.batchnorm.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
         no_silent_fallback()
     # force_sync: a one-rank case runs the hand-written kernel too, not torch's native batch norm.
     return SyncBatchNorm(case.num_features, momentum=case.momentum, compile=case.compile, force_sync=True)

@@ -109,7 +109,7 @@ def test_probe_counts_real_collectives_of_zero1() -> None:
     tensors = 2 * (cfg["mlp_depth"] + 1)
     for probe in probes:
         counts, payload = probe["collectives"]["counts"], probe["collectives"]["bytes"]
-        # One fp32 bucket: every gradient plus one "used" flag per parameter (parallel/buckets.py).
+        # One fp32 bucket: every gradient plus one "used" flag per parameter (parallel/gradients/buckets.py).
         assert counts["grad_buckets"] == 1 and payload["grad_buckets"] == 4 * (elements + tensors)
         # ZeRO-1: each rank broadcasts its updated shard; together, every parameter once.
         assert counts["other"] >= 2 and payload["other"] == 4 * elements

@@ -2,7 +2,7 @@
 ``test_model_checkpoint_no_extraneous_invocations`` checks it of every strategy it runs).
 
 ``custom_ddp`` saves every rank's random generators into each checkpoint (``exact_resume``): they are gathered
-encoded (``parallel.rng_state.gather_rng_states``), because ``all_gather_object`` pickles tensors through
+encoded (``parallel.resume.rng_state.gather_rng_states``), because ``all_gather_object`` pickles tensors through
 ``torch.save`` on every rank; rank 1 then called it once per checkpoint."""
 
 from __future__ import annotations

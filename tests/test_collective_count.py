@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from benchmarks.launcher import run_workers
 from callbacks import CollectiveCounter
 from measure.collective_count import count_collectives
-from parallel.grad_sync import SyncedDataParallel
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.gradients.grad_sync import SyncedDataParallel
 
 pytestmark = pytest.mark.distributed
 

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import strategies  # noqa: F401  (registers "custom_ddp")
-from parallel.host_reduce import parse_launch_label
+from parallel.host.host_reduce import parse_launch_label
 from strategies.custom_ddp import CustomDDPStrategy
 
 pytestmark = pytest.mark.distributed

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from parallel.eval_sharding import ShardPlan
+from parallel.evaluation.eval_sharding import ShardPlan
 from strategies.evaluation.scatter_eval import _warn_fallback
 
 pytestmark = pytest.mark.distributed

@@ -11,8 +11,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.launcher import run_workers
-from parallel.grad_sync import SyncedDataParallel
-from parallel.host_reduce import parse_launch_label
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.host.host_reduce import parse_launch_label
 from parallel.sync_config import SYNC_MODES
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.buckets import assign_buckets
-from parallel.grad_sync import SyncedDataParallel
+from parallel.gradients.buckets import assign_buckets
+from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.sync_config import GradSyncConfig
 
 # A few hundred bytes per bucket: the small test nets still split into several buckets.
@@ -90,9 +90,9 @@ def test_bad_options_name_the_value(kwargs, match):
 
 def test_bucket_layout_is_logged_at_debug(caplog):
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    with caplog.at_level("DEBUG", logger="parallel.reducer"):
+    with caplog.at_level("DEBUG", logger="parallel.gradients.reducer"):
         SyncedDataParallel(net, **_SMALL_BUCKETS)
-    (record,) = [r for r in caplog.records if r.name == "parallel.reducer"]
+    (record,) = [r for r in caplog.records if r.name == "parallel.gradients.reducer"]
     text = record.getMessage()
     assert "mode=bucketed, world_size=1" in text and "bucket 0:" in text
     assert "2.weight" in text and "0.bias" in text  # parameters are named, last layer first

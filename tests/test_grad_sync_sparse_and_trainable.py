@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from benchmarks.launcher import run_workers
-from parallel.grad_sync import SyncedDataParallel
+from parallel.gradients.grad_sync import SyncedDataParallel
 
 pytestmark = pytest.mark.distributed
 WORLD_SIZE, STEPS = 2, 4

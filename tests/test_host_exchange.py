@@ -1,4 +1,4 @@
-"""SyncBatchNorm's statistics through shared memory (parallel.host_exchange): no gloo collective, gloo's bits, one
+"""SyncBatchNorm's statistics through shared memory (parallel.host.host_exchange): no gloo collective, gloo's bits, one
 process's results, and a lost peer ends the step as the gradient buckets do."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from syncbn_cases import CASES, assert_matches, make_layer, reference, train_and
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.launcher import run_workers
-from parallel import host_reduce
+from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.dist_utils import consecutive_rank_group
-from parallel.host_exchange import EXCHANGE_LABEL, open_shared_memory_exchange
-from parallel.host_reduce import SharedMemoryAllReduce
-from parallel.syncbn import SyncBatchNorm
+from parallel.host import host_reduce
+from parallel.host.host_exchange import EXCHANGE_LABEL, open_shared_memory_exchange
+from parallel.host.host_reduce import SharedMemoryAllReduce
 from strategies.fault_tolerance.exit_causes import is_peer_loss
 
 pytestmark = pytest.mark.distributed

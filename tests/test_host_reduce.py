@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.launcher import run_workers
-from parallel import host_reduce
-from parallel.grad_sync import SyncedDataParallel
-from parallel.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.host import host_reduce
+from parallel.host.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import GradSyncConfig
 from strategies.fault_tolerance.exit_causes import is_peer_loss
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallel.shm_barrier import proc_stat
+from parallel.host.shm_barrier import proc_stat
 from strategies.fault_tolerance.desync import _exchange
 from strategies.fault_tolerance.job_store import (
     CONNECT_S,

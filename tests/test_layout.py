@@ -22,7 +22,9 @@ _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
 def _modules(package) -> list[str]:
-    return sorted(f"{package.__name__}.{info.name}" for info in pkgutil.iter_modules(package.__path__))
+    """Every module of ``package``, its sub-packages' modules included (not the sub-packages themselves)."""
+    infos = pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+    return sorted(info.name for info in infos if not info.ispkg)
 
 
 def _run_fresh(code: str) -> str:
@@ -36,26 +38,26 @@ def _run_fresh(code: str) -> str:
 
 def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
-        "parallel.buckets",
-        "parallel.buffer_sync",
+        "parallel.batchnorm.syncbn",
+        "parallel.batchnorm.syncbn_function",
+        "parallel.batchnorm.syncbn_kernels",
         "parallel.dist_utils",
-        "parallel.eval_sharding",
-        "parallel.grad_sync",
-        "parallel.host_exchange",
-        "parallel.host_reduce",
-        "parallel.metric_sync",
-        "parallel.reducer",
-        "parallel.resume_sampler",
-        "parallel.rng_state",
-        "parallel.shm_barrier",
-        "parallel.sparse_grads",
+        "parallel.evaluation.eval_sharding",
+        "parallel.evaluation.metric_sync",
+        "parallel.evaluation.uneven_gather",
+        "parallel.gradients.buckets",
+        "parallel.gradients.buffer_sync",
+        "parallel.gradients.grad_sync",
+        "parallel.gradients.reducer",
+        "parallel.gradients.sparse_grads",
+        "parallel.gradients.zero",
+        "parallel.host.host_exchange",
+        "parallel.host.host_reduce",
+        "parallel.host.shm_barrier",
+        "parallel.resume.resume_sampler",
+        "parallel.resume.rng_state",
         "parallel.sync_config",
-        "parallel.syncbn",
-        "parallel.syncbn_function",
-        "parallel.syncbn_kernels",
         "parallel.torch_compat",
-        "parallel.uneven_gather",
-        "parallel.zero",
     ]
 
 

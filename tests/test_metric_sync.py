@@ -20,8 +20,8 @@ from torchmetrics.utilities.data import dim_zero_cat
 from benchmarks.launcher import run_workers
 from conformance.patterns import MeanStateMetric
 from measure.collective_count import count_collectives
-from parallel.metric_sync import MetricSync, merge_kinds
-from parallel.uneven_gather import (
+from parallel.evaluation.metric_sync import MetricSync, merge_kinds
+from parallel.evaluation.uneven_gather import (
     UnevenGatherError,
     all_gather_padded,
     all_gather_rows,

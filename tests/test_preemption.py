@@ -24,7 +24,7 @@ from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from benchmarks.launcher import run_workers
-from parallel.grad_sync import SyncedDataParallel
+from parallel.gradients.grad_sync import SyncedDataParallel
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.preemption import Preemption, stop_checkpoint_path
 from strategies.stopping.stop_signals import SignalRecorder, StopOnSignal, exit_status

@@ -1,5 +1,6 @@
 """Units of exact mid-epoch resume, without a fit: the sampler that leaves out what the interrupted epoch
-trained (parallel.resume_sampler) and the reading of Lightning's restored loop (strategies.resume.resume_progress).
+trained (parallel.resume.resume_sampler) and the reading of Lightning's restored loop
+(strategies.resume.resume_progress).
 The fits that use them are in test_exact_resume.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch.utils.data import DistributedSampler, SequentialSampler
 
-from parallel.resume_sampler import ResumeSampler
+from parallel.resume.resume_sampler import ResumeSampler
 from strategies.resume.resume_progress import LoaderResume, batches_done
 
 

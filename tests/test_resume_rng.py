@@ -1,4 +1,4 @@
-"""A resumed fit draws the interrupted fit's random numbers (strategies.resume.resume_rng, parallel.rng_state).
+"""A resumed fit draws the interrupted fit's random numbers (strategies.resume.resume_rng, parallel.resume.rng_state).
 
 The module draws from every default generator in its training step (dropout and ``torch.randn``,
 ``np.random``, ``random``), each rank from its own streams, and its dataset adds noise when a sample
@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from parallel.rng_state import rng_state, set_rng_state
+from parallel.resume.rng_state import rng_state, set_rng_state
 from strategies.fault_tolerance.watchdog import Watchdog
 from strategies.resume.resume_rng import CHECKPOINT_KEY, redraw_base_seeds, rng_state_to_restore
 

@@ -7,7 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DistributedSampler
 
 from benchmarks.launcher import run_workers
-from parallel.eval_sharding import (
+from parallel.evaluation.eval_sharding import (
     ShardPlan,
     ShardSampler,
     broadcast_count,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from parallel.shm_barrier import PEER_LOSS_TEXT, FutexBarrier, ProcessIdentity, local_problem, own_identity
+from parallel.host.shm_barrier import PEER_LOSS_TEXT, FutexBarrier, ProcessIdentity, local_problem, own_identity
 
 
 def _words(count: int) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from benchmarks.launcher import WorkerError, run_workers
 from callbacks.run_hparams import flatten_hparams
 from measure.collective_count import count_collectives
 from measure.run_info import strategy_options
-from parallel.grad_sync import SyncedDataParallel
+from parallel.gradients.grad_sync import SyncedDataParallel
 from strategies import CustomDDPStrategy
 from strategies.training.layer_sync import CustomSyncBatchNorm
 

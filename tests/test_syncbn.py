@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.torch_compat import make_norm
 from strategies.training.layer_sync import CustomSyncBatchNorm
 
@@ -131,14 +131,14 @@ def test_a_forward_whose_collective_fails_leaves_the_layer_as_it_was(monkeypatch
     """A peer lost during the statistics' all_gather: no batch counted, so a checkpoint written then
     (strategies.fault_tolerance.last_checkpoint) resumes exactly. torch's BatchNorm counts the call before it
     computes."""
-    import parallel.syncbn
+    import parallel.batchnorm.syncbn
 
     def lost_peer(*args, **kwargs):
         raise RuntimeError("Connection closed by peer")
 
     layer = SyncBatchNorm(3, momentum=None, force_sync=True)
     layer(torch.randn(4, 3))
-    monkeypatch.setattr(parallel.syncbn, "sync_batch_norm", lost_peer)
+    monkeypatch.setattr(parallel.batchnorm.syncbn, "sync_batch_norm", lost_peer)
     with pytest.raises(RuntimeError, match="closed by peer"):
         layer(torch.randn(4, 3))
     assert layer.num_batches_tracked == 1

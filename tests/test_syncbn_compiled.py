@@ -29,10 +29,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-import parallel.syncbn
+import parallel.batchnorm.syncbn
 from benchmarks.launcher import run_workers
-from parallel.syncbn import SyncBatchNorm
-from parallel.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
 
 pytestmark = pytest.mark.distributed
 
@@ -97,9 +97,9 @@ def _fallback_worker(rank: int, world_size: int, failure: str) -> dict:
         inductor_config.cpp.cxx = ("/nonexistent/g++",)
         inductor_config.fx_graph_cache = False
         functorch_config.enable_autograd_cache = False
-        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+        parallel.batchnorm.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
     else:
-        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(
+        parallel.batchnorm.syncbn.COMPILED_KERNELS = compiled_kernels(
             backend=_failing_backend, min_elements=0, spatial_only=False
         )
     compiled, eager = SyncBatchNorm(3, compile=True, force_sync=True), SyncBatchNorm(3, force_sync=True)
@@ -157,7 +157,7 @@ def test_layers_carry_the_option_through_convert_and_repr():
 
 
 def _recompile_worker(rank: int, world_size: int) -> list[int]:
-    parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+    parallel.batchnorm.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
     no_silent_fallback()
     layers = [SyncBatchNorm(n, compile=True, force_sync=True) for n in (16, 16, 8)]
 
@@ -190,7 +190,7 @@ def test_new_batch_sizes_and_layers_of_one_shape_do_not_recompile(tmp_path):
 
 
 def _low_precision_worker(rank: int, world_size: int, dtype: torch.dtype, compile: bool) -> tuple:
-    parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+    parallel.batchnorm.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
     no_silent_fallback()
     generator = torch.Generator().manual_seed(3)
     x, grad = (torch.randn(10, 6, 4, 4, generator=generator).to(dtype) for _ in range(2))

@@ -28,10 +28,10 @@ from syncbn_cases import (
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import parallel.syncbn
+import parallel.batchnorm.syncbn
 from benchmarks.launcher import run_workers
-from parallel.grad_sync import SyncedDataParallel
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.torch_compat import make_norm
 
 pytestmark = pytest.mark.distributed
@@ -224,7 +224,7 @@ def _train_net(net: nn.Module, rows: slice, grad_scale: float, model=None, finis
 
 def _net_worker(rank: int, world_size: int, norm_kwargs: dict, compile: bool) -> dict:
     if compile:
-        parallel.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
+        parallel.batchnorm.syncbn.COMPILED_KERNELS = COMPILE_EVERY_SHAPE
         no_silent_fallback()
     net = SyncBatchNorm.convert(_conv_net(norm_kwargs), compile=compile)
     assert all(type(m) is not nn.BatchNorm2d for m in net.modules())

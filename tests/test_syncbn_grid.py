@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 
-import parallel.syncbn
+import parallel.batchnorm.syncbn
 from benchmarks.launcher import run_workers
-from parallel.syncbn import SyncBatchNorm
-from parallel.syncbn_kernels import compiled_kernels
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn_kernels import compiled_kernels
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +30,7 @@ def _global_batch(num_workers: int, hid_dim: int, batch_size: int) -> torch.Tens
 
 def _grid_worker(rank: int, world_size: int, hid_dim: int, batch_size: int, compile: bool):
     if compile:  # (N, C) inputs: the compiled passes only run with a set that compiles every shape
-        parallel.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
+        parallel.batchnorm.syncbn.COMPILED_KERNELS = compiled_kernels(min_elements=0, spatial_only=False)
         warnings.filterwarnings("error", message=r"SyncBatchNorm\(compile=True\): torch.compile failed")
     global_batch = _global_batch(world_size, hid_dim, batch_size)
     first = rank * batch_size

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from parallel.buckets import Bucket
-from parallel.shm_barrier import PEER_LOSS_TEXT
+from parallel.gradients.buckets import Bucket
+from parallel.host.shm_barrier import PEER_LOSS_TEXT
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.fault_tolerance.exit_causes import cause_text, is_peer_loss, peer_causes, write_exit_record
 from strategies.fault_tolerance.heartbeat import Progress, main_thread_state, stack_text
@@ -90,7 +90,7 @@ def test_main_thread_state_reads_a_blocked_thread_and_a_declared_busy_phase() ->
 
 
 def test_a_thread_waiting_for_a_gradient_bucket_waits_for_its_peers() -> None:
-    # A bucket's all-reduce is waited in parallel/buckets.py (gloo's Work, or the shared-memory
+    # A bucket's all-reduce is waited in parallel/gradients/buckets.py (gloo's Work, or the shared-memory
     # future): a rank parked there waits for a peer and is no stall of its own.
     bucket = Bucket(0, [], torch.zeros(1), [])
     bucket.work = torch.futures.Future()
@@ -101,7 +101,9 @@ def test_a_thread_waiting_for_a_gradient_bucket_waits_for_its_peers() -> None:
     collective, _ = main_thread_state(frames)
     bucket.work.set_result(None)
     thread.join()
-    assert collective is not None and "gradient bucket (SyncedDataParallel) (parallel/buckets.py:" in collective
+    assert (
+        collective is not None and "gradient bucket (SyncedDataParallel) (parallel/gradients/buckets.py:" in collective
+    )
 
 
 def _outermost_first(frame):

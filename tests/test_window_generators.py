@@ -18,7 +18,7 @@ from conformance_harness import rank_0_fitting
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 
-from parallel.rng_state import decode_rng_state, encode_rng_state, rng_state, set_rng_state
+from parallel.resume.rng_state import decode_rng_state, encode_rng_state, rng_state, set_rng_state
 from strategies.fault_tolerance.job_store import BoundedStore, connect_store, serve_store
 from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
 from strategies.fault_tolerance.window_generators import WindowGenerators

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.launcher import run_workers
-from parallel import zero
-from parallel.grad_sync import SyncedDataParallel
-from parallel.zero import ShardedOptimizer
+from parallel.gradients import zero
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.gradients.zero import ShardedOptimizer
 
 _WORLD_SIZE = 2
 _OPTIMIZERS = {

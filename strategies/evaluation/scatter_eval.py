@@ -2,13 +2,13 @@
 
 :class:`ScatterEvaluation` is a strategy mixin (placed before ``DDPStrategy``) that owns every
 strategy hook scatter evaluation needs; the shard arithmetic and the collectives are the pure
-torch of :mod:`parallel.eval_sharding` and :mod:`parallel.metric_sync`.
+torch of :mod:`parallel.evaluation.eval_sharding` and :mod:`parallel.evaluation.metric_sync`.
 
 - **Loaders** (``distributed_sampler_kwargs``, ``process_dataloader``, when Lightning sets loaders
   up): Lightning's injected sampler is made the identity, then rank 0 reads the sample order from
-  it; the count is broadcast, every rank computes the same :class:`~parallel.eval_sharding.ShardPlan`
+  it; the count is broadcast, every rank computes the same :class:`~parallel.evaluation.eval_sharding.ShardPlan`
   once, and rank 0 scatters the indices (never the samples). Each rank reads its own dataset object
-  through a :class:`~parallel.eval_sharding.ShardSampler`, with the user's batch size,
+  through a :class:`~parallel.evaluation.eval_sharding.ShardSampler`, with the user's batch size,
   ``collate_fn``, workers, pinning and transforms untouched: a step receives exactly the batch the
   user's loader would give it. Loaders that cannot be re-sharded by index (an ``IterableDataset``, a
   sampler of the user's own, a custom batch sampler, an iterable that is no ``DataLoader``) are used
@@ -16,7 +16,7 @@ torch of :mod:`parallel.eval_sharding` and :mod:`parallel.metric_sync`.
 - **Runs** (``on_validation_start``/``on_test_start`` ... ``on_*_end`` and ``teardown``): one
   :class:`_EvaluationRun` per validation/test/sanity run counts this rank's steps against the
   Trainer's own per-rank batch counts and hands the torchmetrics of the module and of the callbacks
-  to :class:`parallel.metric_sync.MetricSync`: exact dataset values, merged after the rank's last
+  to :class:`parallel.evaluation.metric_sync.MetricSync`: exact dataset values, merged after the rank's last
   step of each loader.
 - **reduce**: inside a step a ``self.log(..., on_step=True, sync_dist=True)`` value stays this
   rank's own (ranks run different numbers of steps: a per-step collective would pair with another
@@ -44,8 +44,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
-from parallel.eval_sharding import ShardPlan, ShardSampler, broadcast_count, scatter_shard_indices
-from parallel.metric_sync import MetricSync
+from parallel.evaluation.eval_sharding import ShardPlan, ShardSampler, broadcast_count, scatter_shard_indices
+from parallel.evaluation.metric_sync import MetricSync
 from strategies.loaders import index_batching, with_sampler
 from strategies.options import is_mean_op
 

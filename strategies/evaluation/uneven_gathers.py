@@ -5,7 +5,7 @@ anything a rank keeps per sample has a different number of rows on each rank, wh
 ``all_gather`` (a plain ``dist.all_gather``) needs equal shapes and gloo aborts the process on a
 mismatch. :meth:`UnevenGathers.all_gather` still returns ``ddp``'s shape, and
 :meth:`UnevenGathers.all_gather_samples` returns each sample once, in dataset order; the
-collectives are :mod:`parallel.uneven_gather`'s.
+collectives are :mod:`parallel.evaluation.uneven_gather`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from parallel.uneven_gather import all_gather_padded, all_gather_rows
+from parallel.evaluation.uneven_gather import all_gather_padded, all_gather_rows
 
 __all__ = ["UnevenGathers"]
 

@@ -69,15 +69,15 @@ _COLLECTIVES = {
 _TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "object_list", "obj", "scatter_list")
 # Project files whose collectives have a name, by (path part, function) -> source; "" matches any function.
 _SOURCES = (
-    ("parallel/syncbn_function.py", "backward", "SyncBN backward"),
-    ("parallel/syncbn_function.py", "", "SyncBN forward"),
-    ("parallel/grad_sync.py", "", "gradient bucket (SyncedDataParallel)"),
-    ("parallel/reducer.py", "", "gradient bucket (SyncedDataParallel)"),
-    ("parallel/buckets.py", "", "gradient bucket (SyncedDataParallel)"),
-    ("parallel/metric_sync.py", "", "evaluation metric reduction"),
-    ("parallel/eval_sharding.py", "", "evaluation scatter"),
-    ("parallel/uneven_gather.py", "", "custom_ddp all_gather"),
-    ("parallel/zero.py", "", "ZeRO-1 optimizer"),
+    ("parallel/batchnorm/syncbn_function.py", "backward", "SyncBN backward"),
+    ("parallel/batchnorm/syncbn_function.py", "", "SyncBN forward"),
+    ("parallel/gradients/grad_sync.py", "", "gradient bucket (SyncedDataParallel)"),
+    ("parallel/gradients/reducer.py", "", "gradient bucket (SyncedDataParallel)"),
+    ("parallel/gradients/buckets.py", "", "gradient bucket (SyncedDataParallel)"),
+    ("parallel/evaluation/metric_sync.py", "", "evaluation metric reduction"),
+    ("parallel/evaluation/eval_sharding.py", "", "evaluation scatter"),
+    ("parallel/evaluation/uneven_gather.py", "", "custom_ddp all_gather"),
+    ("parallel/gradients/zero.py", "", "ZeRO-1 optimizer"),
 )
 # torch's mismatch text: "Rank <own> is running collective: CollectiveFingerPrint(SequenceNumber=<n>, OpType=...),
 # but Rank <peer> is running collective: CollectiveFingerPrint(SequenceNumber=<m>, OpType=<op>, TensorShape=[...],

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from parallel.shm_barrier import PEER_LOSS_TEXT
+from parallel.host.shm_barrier import PEER_LOSS_TEXT
 from strategies.fault_tolerance.stall_watch import describe_where, process_state
 
 __all__ = [

@@ -51,14 +51,15 @@ _BUSY_FRAMES = (
     ("torch/_inductor/", "", "torch.compile"),
 )
 # Innermost frames of a main thread that waits for peers: a collective, a gradient bucket's all-reduce
-# (gloo's Work waited in parallel/buckets.py, the shared-memory one in a torch future), a shared-memory barrier.
+# (gloo's Work waited in parallel/gradients/buckets.py, the shared-memory one in a torch future), a shared-memory
+# barrier.
 _WAIT_FRAMES = (
     "torch/distributed/",
     "torch/futures/",
-    "parallel/grad_sync.py",
-    "parallel/reducer.py",
-    "parallel/buckets.py",
-    "parallel/shm_barrier.py",  # SyncBatchNorm's statistics through shared memory (parallel/host_exchange.py)
+    "parallel/gradients/grad_sync.py",
+    "parallel/gradients/reducer.py",
+    "parallel/gradients/buckets.py",
+    "parallel/host/shm_barrier.py",  # SyncBatchNorm's statistics through shared memory (parallel/host/host_exchange.py)
 )
 
 

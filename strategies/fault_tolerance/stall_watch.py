@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel.shm_barrier import proc_stat
+from parallel.host.shm_barrier import proc_stat
 
 __all__ = [
     "ANSWER_S",

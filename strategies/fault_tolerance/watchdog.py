@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from parallel.rng_state import RngState
+from parallel.resume.rng_state import RngState
 from strategies.fault_tolerance.elastic_store import uses_shared_agent_store
 from strategies.fault_tolerance.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.fault_tolerance.heartbeat import Heartbeat, Progress

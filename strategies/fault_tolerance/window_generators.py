@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from parallel.rng_state import RngState, decode_rng_state, encode_rng_state, rng_state
+from parallel.resume.rng_state import RngState, decode_rng_state, encode_rng_state, rng_state
 from strategies.fault_tolerance.job_store import BoundedStore, connect_store, host_store
 
 __all__ = ["WindowGenerators"]

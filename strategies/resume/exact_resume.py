@@ -6,7 +6,7 @@ A fit resumed from a mid-epoch checkpoint (a signal's stop checkpoint, the watch
 ``DataLoader`` starts the epoch over: the epoch's first batches are trained twice and its last ones
 never (Lightning warns that the loader "is not resumable"; ``ddp`` does the same). Here, when the
 training loader of a fit resumed from a checkpoint is set up, it is rebuilt (:mod:`strategies.loaders`)
-around a :class:`~parallel.resume_sampler.ResumeSampler` whose first pass leaves out the batches the
+around a :class:`~parallel.resume.resume_sampler.ResumeSampler` whose first pass leaves out the batches the
 loop counts as done, in the resumed epoch's order. How many, and which epoch, are read when that pass
 begins, from the restored loop: a module whose ``configure_optimizers`` asks for
 ``trainer.estimated_stepping_batches`` (a OneCycle schedule) makes Lightning set the loader up, and
@@ -40,8 +40,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from typing_extensions import override
 
-from parallel.resume_sampler import ResumeSampler
-from parallel.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
+from parallel.resume.resume_sampler import ResumeSampler
+from parallel.resume.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
 from strategies.loaders import index_batching, keeps_its_position, set_sampler_epoch, with_sampler
 from strategies.resume.resume_progress import (
     FALLBACK,

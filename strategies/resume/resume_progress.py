@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from parallel.resume_sampler import ResumeSampler
+from parallel.resume.resume_sampler import ResumeSampler
 
 __all__ = ["FALLBACK", "LoaderResume", "batches_done", "inside_a_batch", "resumed_at", "resumed_before_iterator"]
 

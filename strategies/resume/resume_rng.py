@@ -8,7 +8,8 @@ resumed fits draw from the restart's seed.
 
 - **Saved** in every checkpoint written while fitting with every rank present (``ModelCheckpoint``,
   a signal's stop checkpoint, ``trainer.save_checkpoint``): every rank's generators
-  (:mod:`parallel.rng_state`: Python's, NumPy's global one, torch's CPU one and the rank's CUDA device's), gathered by
+  (:mod:`parallel.resume.rng_state`: Python's, NumPy's global one, torch's CPU one and the rank's CUDA
+  device's), gathered by
   one ``all_gather_object`` inside the save that every rank makes, under :data:`CHECKPOINT_KEY`.
   The watchdog's last checkpoint, written after a rank was lost, holds them as they were at the start
   of the accumulation window it goes back to, read from the job's store where every rank keeps them
@@ -43,7 +44,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from parallel.rng_state import RngState
+from parallel.resume.rng_state import RngState
 
 __all__ = ["CHECKPOINT_KEY", "redraw_base_seeds", "rng_state_to_restore"]
 

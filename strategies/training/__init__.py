@@ -3,7 +3,8 @@
 - ``synced_training``: :class:`SyncedTraining`, the one gradient-sync component (every strategy hook it
   needs: wrapping, ``no_sync`` on accumulating micro-batches, the stop flag in the last bucket, buffers).
 - ``layer_sync``: :class:`CustomSyncBatchNorm`, the ``LayerSync`` plugin that swaps BatchNorm layers for the
-  core's :class:`parallel.syncbn.SyncBatchNorm`, and :class:`BatchNormSyncChoice`, which of the two plugins runs.
+  core's :class:`parallel.batchnorm.syncbn.SyncBatchNorm`, and :class:`BatchNormSyncChoice`, which of the two
+  plugins runs.
 - ``zero1``: :func:`shard_optimizers`, ZeRO-1 for the configured optimizers.
 
 May import: :mod:`parallel`, Lightning, :mod:`strategies.options` and :mod:`strategies.stopping` (the stop flag

@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
+from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.dist_utils import consecutive_rank_group
-from parallel.syncbn import SyncBatchNorm
 from strategies.options import check_syncbn_group_size
 
 __all__ = ["BatchNormSyncChoice", "CustomSyncBatchNorm"]

@@ -2,7 +2,7 @@
 
 :class:`SyncedTraining` is a strategy mixin (placed before ``DDPStrategy``) that owns every strategy
 hook the gradient sync needs; the buckets, hooks and collectives are the pure torch of
-:class:`parallel.grad_sync.SyncedDataParallel`.
+:class:`parallel.gradients.grad_sync.SyncedDataParallel`.
 
 - **Wrapping** (``_setup_model``/``configure_ddp``, ``teardown``): the module is wrapped in
   ``SyncedDataParallel`` instead of torch DDP (so none of ``DDPStrategy``'s comm hooks apply) and
@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch.nn import Module
 from typing_extensions import override
 
-from parallel.grad_sync import SyncedDataParallel
-from parallel.host_exchange import open_shared_memory_exchange
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.gradients.grad_sync import SyncedDataParallel
+from parallel.host.host_exchange import open_shared_memory_exchange
 from strategies.options import CustomDDPOptions
 from strategies.stopping import Preemption
 from strategies.training.layer_sync import CustomSyncBatchNorm
@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 
 class SyncedTraining:
-    """Strategy mixin: gradients averaged by :class:`~parallel.grad_sync.SyncedDataParallel` (module docstring)."""
+    """Strategy mixin: gradients averaged by :class:`~parallel.gradients.grad_sync.SyncedDataParallel` (module
+    docstring)."""
 
     _options: CustomDDPOptions  # the strategy's
     _preemption: Preemption  # the strategy's: owns the stop state the sync carries
@@ -74,7 +75,7 @@ class SyncedTraining:
 
     def _exchange_statistics_as_the_buckets(self) -> None:
         """SyncBatchNorm's two collectives per layer go where the gradient buckets go: through shared memory when
-        they are summed there (:mod:`parallel.host_exchange`, slots reserved now for the largest layer), else
+        they are summed there (:mod:`parallel.host.host_exchange`, slots reserved now for the largest layer), else
         through the process group. Collective: every rank converted the same layers."""
         plugin, capacity = self._layer_sync, SyncBatchNorm.largest_statistics(self.model)
         if not isinstance(plugin, CustomSyncBatchNorm) or capacity == 0:

@@ -1,4 +1,5 @@
-"""ZeRO-1 for ``custom_ddp``: the configured optimizers re-created as :class:`parallel.zero.ShardedOptimizer`."""
+"""ZeRO-1 for ``custom_ddp``: the configured optimizers re-created as
+:class:`parallel.gradients.zero.ShardedOptimizer`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from parallel.zero import ShardedOptimizer
+from parallel.gradients.zero import ShardedOptimizer
 
 __all__ = ["shard_optimizers"]
 

@@ -10,7 +10,7 @@ averages gradients over a process group. The training step is::
             loss_fn(model(batch)).backward()       # no gradient communication inside no_sync
     optimizer.step(); optimizer.zero_grad()        # p.grad held the rank average when backward returned
 
-Gradients live as views into flat bucket buffers (:mod:`parallel.buckets`), so micro-batches
+Gradients live as views into flat bucket buffers (:mod:`parallel.gradients.buckets`), so micro-batches
 accumulate in place into the memory that is all-reduced. Modes: ``bucketed`` (a bucket's async
 all-reduce starts from the post-accumulate-grad hooks once its gradients are in, overlapping the
 rest of backward), ``per_param_overlap`` (the same, one parameter per bucket), ``flat`` (one
@@ -23,7 +23,7 @@ graph is done, before ``backward()`` returns), so ``on_after_backward``, clippin
 ``finish()`` again is a no-op; it still joins a rank whose backward produced no gradient. Two
 synced backward passes in one step are each averaged and add up, as in one process.
 
-Buckets, hooks, launches and that wait are :class:`parallel.reducer.GradReducer` (torch DDP's
+Buckets, hooks, launches and that wait are :class:`parallel.gradients.reducer.GradReducer` (torch DDP's
 ``Reducer``): every rank launches buckets in one fixed order, and a gradient missing at the end of
 backward travels as zeros with a "used" flag, so ranks never desynchronise and a parameter no rank
 used keeps ``grad=None``.
@@ -31,9 +31,9 @@ used keeps ``grad=None``.
 A change of ``requires_grad`` (unfreezing, freezing again; the same on every rank) is noticed at the
 next forward with gradients enabled (one tuple of flags compared) and rebuilds the buckets and
 hooks (within a step: averaged at its end); torch DDP leaves such parameters out for good. Sparse
-gradients stay out of the buckets (:mod:`parallel.sparse_grads`); ``broadcast_buffers`` gives
-every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.buffer_sync`).
-CPU ranks on one host keep their buckets in shared memory and sum them there (:mod:`parallel.host_reduce`).
+gradients stay out of the buckets (:mod:`parallel.gradients.sparse_grads`); ``broadcast_buffers`` gives
+every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.gradients.buffer_sync`).
+CPU ranks on one host keep their buckets in shared memory and sum them there (:mod:`parallel.host.host_reduce`).
 
 Rank status (``carry_rank_status=True``): a small integer per rank (:meth:`~SyncedDataParallel.
 set_rank_status`, e.g. "a SIGTERM arrived") rides in the last bucket; after the step every rank reads
@@ -52,11 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.buckets import Bucket
-from parallel.buffer_sync import BufferBroadcast
 from parallel.dist_utils import broadcast_module_state, group_world_size
-from parallel.host_reduce import SharedMemoryAllReduce, open_shared_memory_all_reduce
-from parallel.reducer import GradReducer
+from parallel.gradients.buckets import Bucket
+from parallel.gradients.buffer_sync import BufferBroadcast
+from parallel.gradients.reducer import GradReducer
+from parallel.host.host_reduce import SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradSyncConfig
 
 __all__ = ["SyncedDataParallel"]
@@ -85,7 +85,7 @@ class SyncedDataParallel(nn.Module):
         broadcast_buffers: Give every rank rank 0's buffers before each forward with gradients
             enabled (torch DDP's ``broadcast_buffers``); SyncBN statistics are left out.
         grad_transport: ``"auto"`` (default): buckets of CPU ranks on one host (default gloo group,
-            no compression) live in shared memory and are summed there (:mod:`parallel.host_reduce`),
+            no compression) live in shared memory and are summed there (:mod:`parallel.host.host_reduce`),
             others by ``dist.all_reduce``; ``"process_group"``: always ``dist.all_reduce``;
             ``"shared_memory"``: shared memory or a ``ValueError`` naming why not.
         timeout: Timeout of the shared-memory sums' barriers (``None``: torch's default for a new group).
@@ -156,7 +156,7 @@ class SyncedDataParallel(nn.Module):
     @property
     def shared_memory(self) -> SharedMemoryAllReduce | None:
         """The shared-memory transport the buckets are summed with (``None``: the process group's all-reduce);
-        :mod:`parallel.host_exchange` sends SyncBatchNorm's statistics through it too."""
+        :mod:`parallel.host.host_exchange` sends SyncBatchNorm's statistics through it too."""
         return self._host
 
     @property
@@ -216,7 +216,7 @@ class SyncedDataParallel(nn.Module):
     def finish(self) -> None:
         """Complete this backward's all-reduce: afterwards every ``p.grad`` holds the rank average.
 
-        Runs by itself at the end of every synced backward (:meth:`parallel.reducer.GradReducer.finish`);
+        Runs by itself at the end of every synced backward (:meth:`parallel.gradients.reducer.GradReducer.finish`);
         calling it again is a no-op, and it still joins a rank whose backward produced no gradient.
         """
         self._reducer.finish()

@@ -1,6 +1,6 @@
 """ZeRO stage 1: each rank keeps optimizer state for, and steps, only its shard of the parameters.
 
-Gradients are still averaged in full on every rank (:mod:`parallel.grad_sync`); what is
+Gradients are still averaged in full on every rank (:mod:`parallel.gradients.grad_sync`); what is
 sharded is the optimizer state (Adam's two moments, SGD's momentum), which is typically 1-2x
 the model size and becomes ~1/world_size of it per rank::
 
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.buckets import assign_buckets
 from parallel.dist_utils import group_world_size
+from parallel.gradients.buckets import assign_buckets
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["ShardedOptimizer"]

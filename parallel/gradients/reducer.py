@@ -1,12 +1,12 @@
-"""The gradient side of :class:`parallel.grad_sync.SyncedDataParallel`: buckets, hooks, launches, the wait.
+"""The gradient side of :class:`parallel.gradients.grad_sync.SyncedDataParallel`: buckets, hooks, launches, the wait.
 
 :class:`GradReducer` plays torch DDP's ``Reducer``: it lays the trainable parameters' gradients out
-in buckets (:mod:`parallel.buckets`), registers a post-accumulate-grad hook per parameter, starts a
+in buckets (:mod:`parallel.gradients.buckets`), registers a post-accumulate-grad hook per parameter, starts a
 bucket's all-reduce once its gradients are in (in bucket order only, the same on every rank) and,
 from an autograd-engine callback queued by the first hook of a synced backward, launches what
 backward did not and waits for everything before ``backward()`` returns. A gradient missing at the
 end of backward travels as zeros with a "used" flag, so ranks never desynchronise and a parameter no
-rank used keeps ``grad=None``. Sparse gradients go to :mod:`parallel.sparse_grads`.
+rank used keeps ``grad=None``. Sparse gradients go to :mod:`parallel.gradients.sparse_grads`.
 
 A change of ``requires_grad`` is the wrapper's to notice (:attr:`GradReducer.stale`) and this class's
 to apply (:meth:`GradReducer.rebuild`); a parameter unfrozen inside a step, after its forward, is
@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from parallel.buckets import Bucket, assign_buckets, build_buckets, describe_buckets, is_view_of
-from parallel.host_reduce import SharedMemoryAllReduce
-from parallel.sparse_grads import SparseGradSync, sparse_gradient_params
+from parallel.gradients.buckets import Bucket, assign_buckets, build_buckets, describe_buckets, is_view_of
+from parallel.gradients.sparse_grads import SparseGradSync, sparse_gradient_params
+from parallel.host.host_reduce import SharedMemoryAllReduce
 from parallel.sync_config import WIRE_DTYPES, GradSyncConfig
 
 __all__ = ["GradReducer"]

@@ -1,4 +1,4 @@
-"""The autograd function behind :class:`parallel.syncbn.SyncBatchNorm`: one collective per pass.
+"""The autograd function behind :class:`parallel.batchnorm.syncbn.SyncBatchNorm`: one collective per pass.
 
 Notation, per channel, over the ``n`` elements of ALL ranks (batch and spatial positions)::
 
@@ -34,7 +34,7 @@ The collective runs even on a rank whose local batch is empty (it sends zeros) a
 accumulation micro-batches: the input gradient needs the global sums either way.
 
 The passes over x-sized memory (first moments, normalisation, backward sums, input gradient)
-come from a :class:`parallel.syncbn_kernels.Kernels` set: the eager reference by default, the
+come from a :class:`parallel.batchnorm.syncbn_kernels.Kernels` set: the eager reference by default, the
 same formulas compiled with ``torch.compile`` for ``SyncBatchNorm(compile=True)``. Collectives and
 the C-sized math between the passes are here, shared by both.
 
@@ -50,14 +50,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from parallel.syncbn_kernels import EAGER_KERNELS, Kernels
+from parallel.batchnorm.syncbn_kernels import EAGER_KERNELS, Kernels
 from parallel.torch_compat import all_gather_single
 
 __all__ = ["StatsExchange", "sync_batch_norm"]
 
 
 class StatsExchange(Protocol):
-    """The two collectives of a group through another transport (:mod:`parallel.host_exchange`)."""
+    """The two collectives of a group through another transport (:mod:`parallel.host.host_exchange`)."""
 
     def fits(self, device: torch.device, nbytes: int) -> bool:
         """Whether a tensor of ``nbytes`` on ``device`` can go this way (else: the group's collectives)."""
@@ -94,10 +94,10 @@ def sync_batch_norm(
         eps: Added to the variance before the inverse square root.
         group: Process group to synchronise over; ``None`` for purely local statistics.
         world_size: Size of ``group`` (ignored when ``group`` is ``None``).
-        kernels: The x-sized passes (:mod:`parallel.syncbn_kernels`); ``None``, or a set that does
+        kernels: The x-sized passes (:mod:`parallel.batchnorm.syncbn_kernels`); ``None``, or a set that does
             not handle ``x`` (an empty local batch, a small input), for the eager reference.
         exchange: With ``group``: the same ranks' collectives through another transport
-            (:class:`parallel.host_exchange.SharedMemoryExchange`); ``None``, or one whose capacity the
+            (:class:`parallel.host.host_exchange.SharedMemoryExchange`); ``None``, or one whose capacity the
             statistics of ``x`` exceed, for ``group``'s own collectives.
 
     Returns:

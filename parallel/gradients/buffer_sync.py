@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from parallel.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm
 
 __all__ = ["BUFFER_BROADCAST", "BufferBroadcast"]
 

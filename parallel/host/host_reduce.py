@@ -14,7 +14,7 @@ computed in place, each rank reading its peers' memory directly::
 
 Each chunk is summed once, by one rank, in a fixed order: every rank holds the same bits, run
 after run, and two ranks get exactly gloo's ``a + b`` (addition of two terms commutes exactly).
-The barriers are futex waits on words in shared memory (:mod:`parallel.shm_barrier`: no round trip
+The barriers are futex waits on words in shared memory (:mod:`parallel.host.shm_barrier`: no round trip
 through gloo's threads; a dead peer raises within 0.1 s, a silent one after ``timeout``); where those
 cannot apply (not x86-64, peers not visible in ``/proc``) they are barriers of a gloo group of our
 own, whose system calls order memory between ranks. A gloo group of our own also runs the allocations, so they never
@@ -23,7 +23,7 @@ interleave with the default group's collectives. One worker thread per process i
 threads. Shared files are unlinked once every rank mapped them (or the allocation failed): only a
 process killed inside an allocation leaves its file in ``/dev/shm``.
 
-Used by :class:`parallel.grad_sync.SyncedDataParallel` (``grad_transport``). Pure torch; no Lightning.
+Used by :class:`parallel.gradients.grad_sync.SyncedDataParallel` (``grad_transport``). Pure torch; no Lightning.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from parallel.shm_barrier import FutexBarrier, ProcessIdentity, local_problem, own_identity
+from parallel.host.shm_barrier import FutexBarrier, ProcessIdentity, local_problem, own_identity
 from parallel.sync_config import GRAD_TRANSPORTS
 
 __all__ = ["SharedMemoryAllReduce", "open_shared_memory_all_reduce", "parse_launch_label"]
@@ -195,7 +195,8 @@ class SharedMemoryAllReduce:
 
     @property
     def barrier_kind(self) -> str:
-        """``"futex"`` (shared-memory words) or ``"gloo"`` (the group's barrier): see :mod:`parallel.shm_barrier`."""
+        """``"futex"`` (shared-memory words) or ``"gloo"`` (the group's barrier): see
+        :mod:`parallel.host.shm_barrier`."""
         return self._barrier_kind
 
     @property

@@ -1,6 +1,6 @@
 """Exact torchmetrics on uneven evaluation shards, in a few batched collectives per evaluation loader.
 
-With scatter-sharded evaluation (:mod:`parallel.eval_sharding`) ranks run different numbers of
+With scatter-sharded evaluation (:mod:`parallel.evaluation.eval_sharding`) ranks run different numbers of
 batches, so nothing may communicate per batch, and a metric's value must be computed from every
 rank's state. torchmetrics already syncs states when ``compute()`` runs, one state at a time
 (two all_gathers per state), through two public seams: the metric's ``distributed_available_fn``
@@ -16,7 +16,7 @@ rank's state. torchmetrics already syncs states when ``compute()`` runs, one sta
   (:meth:`MetricSync._merge`), so one loader costs at most one collective per reduction kind:
   ONE all_reduce (SUM, float64) of all ``"sum"`` states, ONE all_reduce (MAX) of all ``"max"``
   states and the negated ``"min"`` states, and for list states ONE exchange of their shapes plus
-  ONE padded gather of their bytes (:mod:`parallel.uneven_gather`), preceded by ONE exchange of
+  ONE padded gather of their bytes (:mod:`parallel.evaluation.uneven_gather`), preceded by ONE exchange of
   element counts when a list state is not reduced by ``"cat"`` (retrieval metrics). Each metric's
   ``dist_sync_fn`` then serves its states from that merge: torchmetrics reduces them as usual
   and restores the local states after ``compute()``. Lists are joined in rank order, which with
@@ -46,7 +46,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
 
-from parallel.uneven_gather import exchange_layouts, gather_tensors
+from parallel.evaluation.uneven_gather import exchange_layouts, gather_tensors
 
 __all__ = ["MetricSync", "merge_kinds"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.host_reduce import SharedMemoryAllReduce
+from parallel.host.host_reduce import SharedMemoryAllReduce
 
 __all__ = ["Bucket", "assign_buckets", "build_buckets", "describe_buckets", "is_view_of"]
 
@@ -53,7 +53,7 @@ class Bucket:
         wire: The (possibly compressed) tensor being reduced; ``buffer`` itself when uncompressed.
         status_slots: Elements after the flags that carry one status value per rank (0: none).
         shared: Every rank's ``buffer`` (this rank's is ``buffer`` itself) when the buffers live in
-            shared memory (:mod:`parallel.host_reduce`); ``None`` otherwise.
+            shared memory (:mod:`parallel.host.host_reduce`); ``None`` otherwise.
     """
 
     index: int

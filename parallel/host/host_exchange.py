@@ -1,12 +1,12 @@
 """SyncBatchNorm's two collectives through shared memory, for the CPU ranks of one host.
 
-Each training call of a :class:`parallel.syncbn.SyncBatchNorm` layer exchanges ``2C + 1`` floats in
+Each training call of a :class:`parallel.batchnorm.syncbn.SyncBatchNorm` layer exchanges ``2C + 1`` floats in
 forward (an all_gather of every rank's count, mean and M2) and ``2C`` in backward (an all_reduce of
 two sums). Over gloo each is a TCP loopback round trip through gloo's threads on the cores that run
 the model, 0.2-0.5 ms on 2 shared cores: a quarter of a ResNet-18 step at batch 8
 (``benchmarks/results/compare``). Here every rank of a group owns two slots and one barrier word in
 a file under ``/dev/shm`` that every rank maps (allocated by the gradient buckets'
-:class:`parallel.host_reduce.SharedMemoryAllReduce`, reserved at setup)::
+:class:`parallel.host.host_reduce.SharedMemoryAllReduce`, reserved at setup)::
 
     all_gather(t):  write t into my slot; barrier; read every member's slot, in rank order
     all_reduce_(t): write t into my slot; barrier; t = slot of member 0 + member 1 + ... (in rank order)
@@ -17,9 +17,9 @@ passes the barrier of collective g + 1 knows every member finished reading the s
 
 The bits are gloo's: a gather copies, and the sum of two ranks is ``a + b`` either way (addition of two
 terms commutes exactly); with more ranks every rank adds in the same order, so every rank holds the
-same bits. The barrier is a :class:`parallel.shm_barrier.FutexBarrier` of the group's members: a
+same bits. The barrier is a :class:`parallel.host.shm_barrier.FutexBarrier` of the group's members: a
 member that died raises within ~0.1 s, one alive but silent after ``timeout``, both with
-:data:`parallel.shm_barrier.PEER_LOSS_TEXT`, as the gradient buckets do.
+:data:`parallel.host.shm_barrier.PEER_LOSS_TEXT`, as the gradient buckets do.
 
 Pure torch; no Lightning.
 """
@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from parallel.host_reduce import SharedMemoryAllReduce
-from parallel.shm_barrier import FutexBarrier
+from parallel.host.host_reduce import SharedMemoryAllReduce
+from parallel.host.shm_barrier import FutexBarrier
 
 __all__ = ["EXCHANGE_LABEL", "SharedMemoryExchange", "open_shared_memory_exchange", "parse_exchange_label"]
 

@@ -1,6 +1,6 @@
 """A barrier for the ranks of one host: one word per rank in shared memory, and Linux futexes.
 
-The shared-memory gradient sum (:mod:`parallel.host_reduce`) separates its steps with three
+The shared-memory gradient sum (:mod:`parallel.host.host_reduce`) separates its steps with three
 barriers per bucket. A gloo barrier is TCP round trips on loopback, each a wake-up of gloo's threads
 on cores that are busy with backward. Here each rank owns one 32-bit word that every rank maps; a
 barrier is::

@@ -2,7 +2,7 @@
 
 A drop-in for ``torch.nn.BatchNorm{1,2,3}d`` whose training-mode statistics are aggregated over
 all ranks of a process group with exactly one collective in forward and one in backward (the
-math and its hand-derived backward live in :mod:`parallel.syncbn_function`). Unlike
+math and its hand-derived backward live in :mod:`parallel.batchnorm.syncbn_function`). Unlike
 ``torch.nn.SyncBatchNorm`` it runs on CPU/gloo as well as CUDA/NCCL, and it is not a subclass of
 it (torch DDP rejects that class on CPU).
 
@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from parallel.syncbn_function import StatsExchange, sync_batch_norm
-from parallel.syncbn_kernels import COMPILED_KERNELS
+from parallel.batchnorm.syncbn_function import StatsExchange, sync_batch_norm
+from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS
 from parallel.torch_compat import drop_bias, make_norm, norm_bias_kwargs, reset_norm_parameters
 
 __all__ = ["SyncBatchNorm"]
@@ -52,7 +52,7 @@ class SyncBatchNorm(_BatchNorm):
         dtype: Dtype of parameters and buffers.
         bias: With ``affine``, learn the shift as well (keyword-only, as in torch).
         compile: Run the training-mode passes compiled with ``torch.compile`` (the same math as
-            the eager kernel, fused: :mod:`parallel.syncbn_kernels`); the first training step
+            the eager kernel, fused: :mod:`parallel.batchnorm.syncbn_kernels`); the first training step
             compiles (~20 s on CPU with a cold inductor cache, ~3 s per new layer shape). If
             compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md.
         force_sync: Run the hand-written synchronising kernel where nothing is synchronised as well
@@ -180,7 +180,7 @@ class SyncBatchNorm(_BatchNorm):
     @staticmethod
     def use_exchange(module: nn.Module, exchange: StatsExchange | None, process_group: dist.ProcessGroup | None) -> int:
         """Send the collectives of every :class:`SyncBatchNorm` in ``module`` that synchronises over
-        ``process_group`` (``None``: the world) through ``exchange`` (:mod:`parallel.host_exchange`, the same
+        ``process_group`` (``None``: the world) through ``exchange`` (:mod:`parallel.host.host_exchange`, the same
         ranks); ``None`` puts them back on the process group. Returns how many layers it set."""
         layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm) and m.process_group is process_group]
         for layer in layers:

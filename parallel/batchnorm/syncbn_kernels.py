@@ -1,6 +1,6 @@
 """The x-sized passes of SyncBatchNorm: the eager reference and the same math compiled.
 
-:func:`parallel.syncbn_function.sync_batch_norm` runs four passes over x-sized memory (the
+:func:`parallel.batchnorm.syncbn_function.sync_batch_norm` runs four passes over x-sized memory (the
 first moments, the normalisation, the backward's two reductions, the input gradient) with the
 collectives and the C-sized math between them; a :class:`Kernels` set supplies the passes, so
 every set runs the same collectives and the same formulas.

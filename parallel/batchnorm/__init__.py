@@ -1,0 +1,10 @@
+"""SyncBatchNorm: the autograd Function (one collective forward, one backward), its passes over x-sized memory
+and the ``BatchNorm*d`` drop-in module.
+
+- ``syncbn_function``: the Function and the hand-derived backward (the math, in its docstring).
+- ``syncbn_kernels``: the x-sized passes, eager (the reference) or compiled with ``torch.compile``.
+- ``syncbn``: ``SyncBatchNorm``, its ``convert`` / ``revert``, torch's native batch norm where nothing syncs.
+
+May import: ``parallel.torch_compat``. Its statistics' other transport (``parallel.host.host_exchange``) is handed
+in, never imported. Nothing is imported here.
+"""
