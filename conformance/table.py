@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from conformance.patterns import (
     ValidateInsideFit,
     VariableWidthGather,
 )
+from conformance.uneven_evaluation import UnevenShards
 from measure.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
@@ -66,6 +68,10 @@ LABELS = {
     "auroc_own_group": "BinaryAUROC with a process_group of its own",
     "retrieval_map": "RetrievalMAP (list states reduced by None)",
     "pearson": "PearsonCorrCoef (tensor states reduced by None: torchmetrics' own gather)",
+    "uneven_map/accuracy": "uneven data, 7 + 4 samples per rank (DataLoader each): Accuracy",
+    "uneven_map/loss": "uneven data, 7 + 4 samples per rank (DataLoader each): self.log(loss, sync_dist=True)",
+    "uneven_iterable/accuracy": "uneven data, 7 + 4 samples per rank (IterableDataset): Accuracy",
+    "uneven_iterable/loss": "uneven data, 7 + 4 samples per rank (IterableDataset): self.log(loss, sync_dist=True)",
 }
 PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
     "minmax": "MinMaxMetric(BinaryAccuracy())",
@@ -109,6 +115,7 @@ def outcome_of(run: Callable[[], Any]) -> Any:
     except Exception as err:  # noqa: BLE001 - recorded, not hidden: the table shows it
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         last = lines[-1].split(": ", 1)[-1] if lines else ""  # the message, without the module path
+        last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", last)  # nor gloo's source line
         return f"error ({type(err).__name__}): {last}"[:240]
 
 
@@ -129,10 +136,21 @@ def _patterns(setting: str, work: Path) -> dict[str, Any]:
             or "ran"
         )
     )
+    for kind in ("map", "iterable"):
+        result = uneven_values(setting, iterable=kind == "iterable")
+        for name in ("accuracy", "loss"):
+            values[f"uneven_{kind}/{name}"] = result if isinstance(result, str) else result[name]
     values["variable_width_all_gather"] = outcome_of(
         lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered"
     )
     return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}
+
+
+def uneven_values(setting: str, iterable: bool) -> dict[str, Any] | str:
+    """The uneven-data pattern's accuracy and epoch loss under ``setting``, or how the run ended."""
+    trainer = _trainer(setting, use_distributed_sampler=False)
+    outcome = outcome_of(lambda: trainer.validate(UnevenShards(iterable), verbose=False)[0])
+    return outcome if isinstance(outcome, str) else {"accuracy": outcome["accuracy"], "loss": outcome["loss_epoch"]}
 
 
 def _cell(value: Any, reference: Any) -> str:

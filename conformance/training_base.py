@@ -43,6 +43,7 @@ class TrainingPattern(pl.LightningModule):
     trainer_options: ClassVar[dict[str, Any]] = {}
     ddp_options: ClassVar[dict[str, Any] | None] = {}
     custom_options: ClassVar[dict[str, Any]] = {}
+    timeout_s: ClassVar[float] = 60.0  # the strategies' collective timeout: how long a hang lasts
     slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
     resume_after_steps: ClassVar[int | None] = (
         None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)

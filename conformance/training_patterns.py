@@ -3,7 +3,8 @@
 Each is a :class:`~conformance.training_base.TrainingPattern` that changes one thing of a small
 regression (:mod:`conformance.training_base` says how the data is sharded and what ``truth`` means);
 the resumed ones are in :mod:`conformance.resume_patterns`, those around the optimizer step in
-:mod:`conformance.optimizer_patterns`. :data:`PATTERNS` names them all.
+:mod:`conformance.optimizer_patterns`, those with uneven data per rank in
+:mod:`conformance.uneven_patterns`. :data:`PATTERNS` names them all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from conformance.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
 from conformance.resume_patterns import DropoutResumedAtEpochEnd, DropoutResumedMidEpoch, WorkerNoiseResumedAtEpochEnd
 from conformance.training_base import OUTPUTS, TrainingPattern, mlp
+from conformance.uneven_patterns import UNEVEN_PATTERNS
 
 __all__ = ["PATTERNS"]
 
@@ -286,6 +288,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "dropout_resumed_mid_epoch": DropoutResumedMidEpoch,
     "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
     "worker_noise_resumed_at_epoch_end": WorkerNoiseResumedAtEpochEnd,
+    **UNEVEN_PATTERNS,
 }
 
 

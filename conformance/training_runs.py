@@ -42,8 +42,12 @@ def _strategy(pattern: type[TrainingPattern], setting: str) -> Any:
     if setting == "one_process":
         return "auto"
     if setting == "ddp":
-        return DDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **(pattern.ddp_options or {}))
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=60), **pattern.custom_options)
+        return DDPStrategy(
+            start_method="fork", timeout=timedelta(seconds=pattern.timeout_s), **(pattern.ddp_options or {})
+        )
+    return CustomDDPStrategy(
+        start_method="fork", timeout=timedelta(seconds=pattern.timeout_s), **pattern.custom_options
+    )
 
 
 def fit_pattern(pattern: type[TrainingPattern], setting: str, interrupt: bool = True) -> list[dict[str, Any]]:

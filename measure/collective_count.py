@@ -31,6 +31,9 @@ Attribution, first rule that matches:
    ``SyncedDataParallel.broadcast_buffers`` profiler label): rank 0's buffers, all packed in one
    uint8 tensor, before each training forward (``broadcast_buffers=True``; none when every buffer
    is a SyncBN statistic), and once before validation / at the end of fit.
+   ``uneven_join``: the all_reduce of one "I have a batch" flag per rank (inside the
+   ``JoinedLoader.who_trains`` profiler label) before each batch of a training loader whose length
+   is unknown per rank (:mod:`parallel.uneven.joined_loader`).
 4. ``grad_buckets``: an all_reduce of one tensor whose size equals a gradient bucket of the
    strategy's ``SyncedDataParallel`` (``model.buckets``, flags included). A bucket summed in shared
    memory (:mod:`parallel.host.host_reduce`) counts once, at its launch (a profiler label naming the
@@ -68,6 +71,7 @@ from parallel.gradients.buffer_sync import BUFFER_BROADCAST
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.host.host_exchange import parse_exchange_label
 from parallel.host.host_reduce import WORKER_LABEL, parse_launch_label
+from parallel.uneven.joined_loader import JOIN_EXCHANGE
 
 __all__ = ["MARKER", "SOURCES", "Collective", "Window", "classify", "count_collectives", "profiler"]
 
@@ -76,6 +80,7 @@ SOURCES = (
     "syncbn_forward",
     "syncbn_backward",
     "buffer_broadcast",
+    "uneven_join",
     "grad_buckets",
     "ddp_grad_buckets",
     "ddp_buffers",
@@ -193,6 +198,8 @@ def _source(kind: str, ancestors: list[str], shapes: tuple, dtype: str, hints: _
         return "syncbn_backward"
     if BUFFER_BROADCAST in ancestors:
         return "buffer_broadcast"
+    if JOIN_EXCHANGE in ancestors:
+        return "uneven_join"
     if "DistributedDataParallel.forward" in ancestors and kind == "broadcast":
         return "ddp_bucket_rebuild" if dtype == "int32" else "ddp_buffers"
     if kind == "all_reduce" and len(shapes) == 1 and torch.Size(shapes[0]).numel() in hints.bucket_numels:

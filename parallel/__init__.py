@@ -11,6 +11,7 @@ Rooms, one concern each (each sub-package's docstring lists its modules and what
 - ``gradients``: the gradient sync (buckets, reducer, ``SyncedDataParallel``) and ZeRO-1.
 - ``host``: the shared-memory transport of one host's CPU ranks (buckets' sums, SyncBN's exchanges).
 - ``evaluation``: exact evaluation from uneven shards (sharding, uneven gathers, metrics).
+- ``uneven``: uneven data per rank (a loader that joins: empty batches once a rank's data ends).
 - ``resume``: the rest of an interrupted epoch and every rank's random generators.
 - Beside them: ``sync_config`` (the gradient-sync vocabulary: modes, default bucket caps), ``dist_utils``
   (small process-group helpers), ``torch_compat`` (what moved between torch 2.11 and later).

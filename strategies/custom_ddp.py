@@ -2,14 +2,16 @@
 
 Wiring only: ``DDPStrategy`` keeps launching, cluster environments, the process group, ``barrier``/
 ``broadcast``/``reduce`` and checkpoint I/O; each replaced part lives in a room of its own:
-SyncBatchNorm while fitting, :class:`parallel.gradients.grad_sync.SyncedDataParallel` instead of torch DDP (no
-collective on accumulating micro-batches, averaged gradients when backward returns, rank 0's buffers
-before each training forward) and ZeRO-1 (:mod:`strategies.training`); each evaluation sample once with
-exact metrics (:mod:`strategies.evaluation`); a fit resumed mid-epoch trains only the batches not yet
-trained, with the interrupted fit's random generators (:mod:`strategies.resume`); signals stop every
-rank at one step (:mod:`strategies.stopping`); a stalled or failed rank ends the job with a diagnosis
-(:mod:`strategies.fault_tolerance`). Options: :class:`strategies.options.CustomDDPOptions`. Private
-Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual: docs/strategy.md.
+SyncBatchNorm while fitting, :class:`parallel.gradients.grad_sync.SyncedDataParallel` instead of torch DDP
+(no collective on accumulating micro-batches, averaged gradients when backward returns, rank 0's buffers
+before each training forward), uneven training data per rank joined (a rank out of data runs empty
+batches until every rank's ends) and ZeRO-1 (:mod:`strategies.training`); each evaluation sample once
+with exact metrics (:mod:`strategies.evaluation`); a fit resumed mid-epoch trains only the batches not
+yet trained, with the interrupted fit's random generators (:mod:`strategies.resume`); signals stop
+every rank at one step (:mod:`strategies.stopping`); a stalled or failed rank ends the job with a
+diagnosis (:mod:`strategies.fault_tolerance`). Options: :class:`strategies.options.CustomDDPOptions`.
+Private Lightning names used: :mod:`strategies.lightning_seams`, checked at setup. Manual:
+docs/strategy.md.
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy="custom_ddp", accumulate_grad_batches=4)
     trainer = Trainer(strategy=CustomDDPStrategy(sync_mode="flat", zero1=True, start_method="fork"))
@@ -44,17 +46,17 @@ from strategies.fault_tolerance import (
 )
 from strategies.launchers import one_stage_launcher
 from strategies.lightning_seams import check_private_seams
-from strategies.options import DEFAULT_STALL_TIMEOUT_S, CustomDDPOptions, as_timedelta
+from strategies.options import DEFAULT_STALL_TIMEOUT_S, CustomDDPOptions, UnevenData, as_timedelta
 from strategies.resume import ExactResume
 from strategies.stopping import Preemption
-from strategies.training import BatchNormSyncChoice, SyncedTraining, shard_optimizers
+from strategies.training import BatchNormSyncChoice, SyncedTraining, UnevenTraining, shard_optimizers
 
 __all__ = ["CustomDDPStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGathers, DDPStrategy):
+class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEvaluation, UnevenGathers, DDPStrategy):
     """Multi-process data parallelism with hand-written SyncBN, gradient sync and scatter evaluation.
 
     Args:
@@ -78,6 +80,8 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         stall_timeout: Seconds without progress on a rank before every rank ends (exit 75); ``None``: never.
         exact_resume: A fit resumed mid-epoch trains only the batches the interrupted epoch had not, and every
             checkpoint saved while fitting holds every rank's random generators, restored on resuming.
+        uneven_data: ``"join"``: a rank whose training data ends first runs empty batches until every rank's
+            has (gradients averaged over the ranks that trained); ``"refuse"``: an error naming the counts.
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum. Details per option: docs/strategy.md#options.
@@ -109,6 +113,7 @@ class CustomDDPStrategy(SyncedTraining, ExactResume, ScatterEvaluation, UnevenGa
         broadcast_buffers: bool = True,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
         exact_resume: bool = True,
+        uneven_data: UnevenData = "join",
     ) -> None:
         self._options = CustomDDPOptions.pick(locals())  # validated once: one error names every bad value
         super().__init__(

@@ -92,6 +92,12 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         None,
+        "LightningModule._current_fx_name",
+        "uneven_training",
+        "the hook a self.log call comes from: a rank on an empty batch logs neutral values in a step's hooks",
+    ),
+    Seam(
+        None,
         "torchmetrics Metric._reductions",
         "parallel.evaluation.metric_sync",
         "each state's reduction (no public path)",

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,7 +21,9 @@ from parallel.sync_config import (
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
+    "UNEVEN_DATA",
     "CustomDDPOptions",
+    "UnevenData",
     "as_timedelta",
     "check_init_args",
     "check_syncbn_group_size",
@@ -34,6 +36,9 @@ __all__ = [
 # many workers. Those take seconds to a minute; 5 minutes leaves a wide margin and still ends a
 # stalled job 6 times sooner than torch's default 30-minute collective timeout.
 DEFAULT_STALL_TIMEOUT_S = 300.0
+
+UnevenData = Literal["join", "refuse"]
+UNEVEN_DATA: tuple[str, ...] = ("join", "refuse")
 
 _BOOLS = (
     "sync_batchnorm",
@@ -67,6 +72,7 @@ class CustomDDPOptions:
     broadcast_buffers: bool = True
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
     exact_resume: bool = True
+    uneven_data: UnevenData = "join"
 
     def __post_init__(self) -> None:
         problems = [
@@ -88,6 +94,11 @@ class CustomDDPOptions:
                 "desync_check=True checks the process group's collectives, and grad_transport="
                 "'shared_memory' sums the gradient buckets outside them, where a desync goes unseen: "
                 "use grad_transport='auto' (the process group while desync_check is on) or 'process_group'"
+            )
+        if self.uneven_data not in UNEVEN_DATA:
+            problems.append(
+                f"uneven_data={self.uneven_data!r} must be 'join' (a rank whose training data ends first runs "
+                "empty batches until every rank's has) or 'refuse' (an error naming each rank's batch count)"
             )
         if not _is_stall_timeout(self.stall_timeout):
             problems.append(

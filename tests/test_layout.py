@@ -58,6 +58,7 @@ def test_core_has_the_modules_the_readme_lists():
         "parallel.resume.rng_state",
         "parallel.sync_config",
         "parallel.torch_compat",
+        "parallel.uneven.joined_loader",
     ]
 
 

@@ -85,25 +85,24 @@ class Bucket:
         self.status.zero_()
         self.status[rank] = value
 
-    def read_status(self, world_size: int) -> tuple[int, ...]:
+    def read_status(self) -> tuple[int, ...]:
         """Every rank's status after the all-reduce."""
-        # Slot r held rank r's value, zeros elsewhere, pre-divided by the world size like the
-        # gradients: the sum is value / world_size, within 0.25 of it after rescaling even in
-        # bfloat16 (8 significant bits) for values < 128, so rounding recovers it exactly.
-        scaled = self.status.float() * world_size
-        return tuple(int(v) for v in scaled.round().tolist())
+        # Slot r held rank r's value, zeros elsewhere, and the slots are not divided like the
+        # gradients: the sum is the value itself, an integer below 128, exact even in bfloat16.
+        return tuple(int(v) for v in self.status.float().round().tolist())
 
     def start_all_reduce(
         self,
         group: dist.ProcessGroup | None,
-        world_size: int,
+        divisor: float,
         wire_dtype: torch.dtype | None = None,
         host: SharedMemoryAllReduce | None = None,
     ) -> None:
-        """Start the async sum of ``buffer`` / ``world_size`` over ``group``, in ``wire_dtype`` if given;
-        through ``host`` when the buffer is shared (``wire_dtype`` is then ``None``: see host_reduce)."""
+        """Start the async sum of the gradients / ``divisor`` (the world size, or the ranks that trained
+        in a joined step) over ``group``, in ``wire_dtype`` if given; through ``host`` when the buffer is
+        shared (``wire_dtype`` is then ``None``: see host_reduce). The status slots are summed undivided."""
         # Gloo has no AVG reduction: pre-divide (as DDP does), which also keeps bf16 in range.
-        self.buffer.div_(world_size)
+        self.buffer[: self.buffer.numel() - self.status_slots].div_(divisor)
         if self.shared is not None:
             assert host is not None and wire_dtype is None, "shared buckets are summed by their SharedMemoryAllReduce"
             self.work = host.all_reduce(self.shared)

@@ -35,7 +35,8 @@ def _synced_over(layer: nn.Module, process_group: dist.ProcessGroup | None) -> b
 
 
 class BufferBroadcast:
-    """Broadcast ``module``'s buffers (SyncBN statistics of ``process_group`` left out) from the group's rank 0.
+    """Broadcast ``module``'s buffers (SyncBN statistics of ``process_group`` left out) from the group's rank 0
+    (:attr:`source`: another rank, where rank 0 trained nothing in a step of uneven data).
 
     The set of layers is read at construction; their buffers are re-read at each broadcast, so a
     buffer reassigned in forward (``self.buf = new_tensor``) is still the one sent.
@@ -48,7 +49,7 @@ class BufferBroadcast:
             for layer in module.modules()
             if not _synced_over(layer, process_group) and any(True for _ in layer.buffers(recurse=False))
         ]
-        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        self.source = 0  # the group rank whose buffers every rank takes (torch DDP: always 0)
         self._stale = False  # a forward may have changed buffers since the last broadcast
 
     def before_forward(self) -> None:
@@ -68,13 +69,14 @@ class BufferBroadcast:
 
     @torch.no_grad()
     def broadcast(self) -> None:
-        """Every rank: overwrite this rank's buffers with rank 0's, in one collective."""
+        """Every rank: overwrite this rank's buffers with :attr:`source`'s, in one collective."""
         buffers = self.buffers()
         if not buffers:
             return
         flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in buffers])
         with record_function(BUFFER_BROADCAST):
-            dist.broadcast(flat, src=self._src, group=self._group)
+            src = self.source if self._group is None else dist.get_global_rank(self._group, self.source)
+            dist.broadcast(flat, src=src, group=self._group)
         offset = 0
         for buffer in buffers:
             size = buffer.numel() * buffer.element_size()

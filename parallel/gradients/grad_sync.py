@@ -188,6 +188,29 @@ class SyncedDataParallel(nn.Module):
         """Diagnostic: seconds the last synced backward waited for its all-reduces at its end."""
         return self._reducer.last_finish_s
 
+    @property
+    def syncing(self) -> bool:
+        """Whether a backward now would average gradients (outside :meth:`no_sync`)."""
+        return self._reducer.sync_enabled
+
+    def weight_next_sync(self, *, contributes: bool, divisor: float) -> None:
+        """For the coming synced backward only (uneven data, :mod:`parallel.uneven`): this rank's
+        gradients count or are sent as zeros, and the sum is divided by ``divisor`` instead of the world
+        size. Every rank passes the same ``divisor``; :meth:`finish` restores the plain rank mean."""
+        self._reducer.weight_next_sync(contributes=contributes, divisor=divisor)
+
+    @property
+    def buffer_source(self) -> int:
+        """The group rank whose buffers ``broadcast_buffers`` copies to every rank (0, as torch DDP's)."""
+        return 0 if self._buffer_sync is None else self._buffer_sync.source
+
+    @buffer_source.setter
+    def buffer_source(self, rank: int) -> None:
+        # A rank that trained nothing in the last step holds no newer buffers than before it: the
+        # joined step's buffers are those of a rank that trained (the same on every rank).
+        if self._buffer_sync is not None:
+            self._buffer_sync.source = rank
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             if self._reducer.stale:

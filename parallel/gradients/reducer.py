@@ -61,6 +61,7 @@ class GradReducer:
         self.local_status = 0  # this rank's value for the coming synced steps
         self.rank_status: tuple[int, ...] | None = None  # every rank's, as of the last synced step
         self.sync_enabled = True
+        self.weight_next_sync(contributes=True, divisor=world_size)
         self.last_finish_s = 0.0  # diagnostic: the exposed wait at the end of the last synced backward
         self._armed = False  # a synced forward/backward ran since the last finish()
         self._finish_queued = False  # finish() waits as a callback at the end of this backward
@@ -111,6 +112,14 @@ class GradReducer:
             handle.remove()
         self._hook_handles.clear()
 
+    def weight_next_sync(self, *, contributes: bool, divisor: float) -> None:
+        """How the coming synced backward averages (reset to the plain rank mean by :meth:`finish`):
+        this rank's gradients are summed (``contributes``) or sent as zeros flagged unused, and the sum
+        is divided by ``divisor`` (the world size; fewer in a step some ranks trained nothing in)."""
+        if not divisor > 0:
+            raise ValueError(f"divisor={divisor!r} must be > 0 (at least one rank trained in the step)")
+        self.contributes, self.divisor = contributes, float(divisor)
+
     def arm(self) -> None:
         """A synced forward ran: the next :meth:`finish` joins the all-reduce even without a local gradient."""
         if self.sync_enabled:
@@ -132,7 +141,7 @@ class GradReducer:
             if blocking:
                 self._complete(bucket)
         self._average_params_unfrozen_in_step()
-        statuses = self._sparse.average(self.local_status)
+        statuses = self._sparse.average(self.local_status, divisor=self.divisor, contributes=self.contributes)
         if self._status_slots and not self._buckets and statuses is not None:
             self.rank_status = statuses  # every gradient is sparse: the status rode with the sparse counts
         for bucket in self._buckets:
@@ -141,6 +150,7 @@ class GradReducer:
         self._next_launch = 0
         self._armed = False
         self._finish_queued = False
+        self.weight_next_sync(contributes=True, divisor=self._world_size)
         self.last_finish_s = time.perf_counter() - started
 
     def _average_params_unfrozen_in_step(self) -> None:
@@ -199,10 +209,12 @@ class GradReducer:
         """Put every gradient of ``bucket`` into its buffer and start the all-reduce."""
         bucket.flags.fill_(1)
         for slot, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
-            if param.grad is None:  # no gradient on this rank: contribute zeros, flag unused
+            if param.grad is None or not self.contributes:  # contribute zeros, flag unused
                 view.zero_()
                 bucket.flags[slot] = 0
                 bucket.all_used = False
+                if param.grad is not None:  # a rank that trained nothing in a joined step
+                    param.grad = view
             elif not is_view_of(param.grad, view):
                 view.copy_(param.grad)
                 param.grad = view
@@ -212,13 +224,13 @@ class GradReducer:
         self._next_launch = bucket.index + 1
         if self._world_size > 1:
             wire_dtype = None if self._config.grad_compression is None else WIRE_DTYPES[self._config.grad_compression]
-            bucket.start_all_reduce(self._process_group, self._world_size, wire_dtype, self._host)
+            bucket.start_all_reduce(self._process_group, self.divisor, wire_dtype, self._host)
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s all-reduce and point each parameter's grad at its average."""
         bucket.wait()
         if bucket.status_slots:
-            self.rank_status = bucket.read_status(self._world_size)
+            self.rank_status = bucket.read_status()
         if bucket.all_used:
             return
         # Some local gradient was missing: a parameter no rank used keeps grad=None, one that

@@ -60,23 +60,27 @@ class SparseGradSync:
         self._group = process_group
         self._world_size = world_size
 
-    def average(self, status: int = 0) -> tuple[int, ...] | None:
+    def average(
+        self, status: int = 0, divisor: float | None = None, contributes: bool = True
+    ) -> tuple[int, ...] | None:
         """Replace each parameter's gradient by the rank average (every rank calls this, same order).
 
         ``status`` rides in the count all_gather; returns every rank's (None when nothing was sent),
-        for a model whose gradients are all sparse (no dense bucket to carry it).
+        for a model whose gradients are all sparse (no dense bucket to carry it). ``divisor``: the world
+        size unless given; ``contributes=False``: this rank sends no gradient (it trained nothing).
         """
         if not self.params or self._world_size == 1:
             return None
-        local = [None if p.grad is None else self._checked(p) for p in self.params]
+        local = [None if p.grad is None or not contributes else self._checked(p) for p in self.params]
         count = torch.tensor([-1 if g is None else g._nnz() for g in local] + [status], dtype=torch.int64)
         counts = [torch.empty_like(count) for _ in range(self._world_size)]
         dist.all_gather(counts, count, group=self._group)
         *per_param, statuses = torch.stack(counts).t().tolist()  # per_param[i][rank]
         for param, grad, param_counts in zip(self.params, local, per_param, strict=True):
-            if max(param_counts) < 0:
-                continue  # no rank has a gradient: it stays None
-            param.grad = self._averaged(param, grad, [max(c, 0) for c in param_counts])
+            if max(param_counts) < 0:  # no rank sent a gradient: None everywhere
+                param.grad = None
+                continue
+            param.grad = self._averaged(param, grad, [max(c, 0) for c in param_counts], divisor or self._world_size)
         return tuple(statuses)
 
     @staticmethod
@@ -88,7 +92,9 @@ class SparseGradSync:
             )
         return param.grad.coalesce()
 
-    def _averaged(self, param: nn.Parameter, grad: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
+    def _averaged(
+        self, param: nn.Parameter, grad: torch.Tensor | None, counts: list[int], divisor: float
+    ) -> torch.Tensor:
         if grad is None:
             grad = torch.sparse_coo_tensor(
                 torch.zeros(1, 0, dtype=torch.int64, device=param.device),
@@ -96,5 +102,5 @@ class SparseGradSync:
                 param.shape,
             ).coalesce()
         indices = _gather_padded(grad.indices().t().contiguous(), counts, self._group).t()
-        values = _gather_padded(grad.values(), counts, self._group) / self._world_size
+        values = _gather_padded(grad.values(), counts, self._group) / divisor
         return torch.sparse_coo_tensor(indices, values, param.shape).coalesce()

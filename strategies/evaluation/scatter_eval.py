@@ -11,8 +11,9 @@ torch of :mod:`parallel.evaluation.eval_sharding` and :mod:`parallel.evaluation.
   through a :class:`~parallel.evaluation.eval_sharding.ShardSampler`, with the user's batch size,
   ``collate_fn``, workers, pinning and transforms untouched: a step receives exactly the batch the
   user's loader would give it. Loaders that cannot be re-sharded by index (an ``IterableDataset``, a
-  sampler of the user's own, a custom batch sampler, an iterable that is no ``DataLoader``) are used
-  as they are, with a warning, as Lightning's ``ddp`` uses them.
+  sampler of the user's own or none injected (``use_distributed_sampler=False``: the user shards), a
+  custom batch sampler, an iterable that is no ``DataLoader``) are used as they are, with a warning,
+  as Lightning's ``ddp`` uses them; their lengths may differ per rank (see **Runs**).
 - **Runs** (``on_validation_start``/``on_test_start`` ... ``on_*_end`` and ``teardown``): one
   :class:`_EvaluationRun` per validation/test/sanity run counts this rank's steps against the
   Trainer's own per-rank batch counts and hands the torchmetrics of the module and of the callbacks
@@ -24,8 +25,10 @@ torch of :mod:`parallel.evaluation.eval_sharding` and :mod:`parallel.evaluation.
 
 A plan whose contiguous split leaves some rank without a batch (fewer samples than ranks, a
 ``limit_*_batches`` fraction rounding a shard to zero batches) falls back to
-``DistributedSampler``'s padded layout with a warning. A run with a loader of unknown length leaves
-the metrics' own sync alone.
+``DistributedSampler``'s padded layout with a warning. A run with a loader of unknown length (an
+iterable whose length differs per rank) keeps its step values local the same way and leaves the
+metrics' own sync alone (at ``compute()``, where every rank meets): every rank evaluates what it has,
+and epoch values and metrics are those of one process over the union.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -57,12 +60,12 @@ _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANI
 
 def _batching(dataloader: object) -> tuple[int, bool] | str:
     """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not."""
-    if (
-        isinstance(dataloader, DataLoader)
-        and isinstance(dataloader.sampler, DistributedSampler)
-        and dataloader.sampler.num_replicas != 1
-    ):
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and sampler.num_replicas != 1:
         return "sharded by a DistributedSampler of your own"
+    if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
+        if not isinstance(sampler, DistributedSampler):  # Lightning injects one (the identity) unless told not to
+            return f"sampled by a {type(sampler).__name__} of your own (use_distributed_sampler=False)"
     return index_batching(dataloader)
 
 
@@ -110,19 +113,23 @@ def _metrics(trainer: pl.Trainer, module: pl.LightningModule) -> list[Metric]:
 
 
 class _EvaluationRun:
-    """One scattered validation/test/sanity run: its step count and its metrics' deferred sync."""
+    """One validation/test/sanity run: its step count and, when every loader's length is known, its metrics'
+    deferred sync. ``loader_ends`` ``None``: some loader's length is unknown (an iterable), so no step is known
+    to be a rank's last; the metrics keep their own sync at ``compute()``, where every rank meets."""
 
-    def __init__(self, loader_ends: list[int], metrics: list[Metric], device: torch.device) -> None:
+    def __init__(self, loader_ends: list[int] | None, metrics: list[Metric], device: torch.device) -> None:
         self._loader_ends = loader_ends  # cumulative step counts at which this rank's loaders end
         self._steps = 0
         self.in_step = False
-        self._metric_sync = MetricSync(device=device)
-        self._metric_sync.begin(metrics)
-        self._metric_sync.set_ready(0 in loader_ends)  # a loader with no batch on any rank
+        self._metric_sync = None if loader_ends is None else MetricSync(device=device)
+        if self._metric_sync is not None:
+            self._metric_sync.begin(metrics)
+            self._metric_sync.set_ready(0 in loader_ends)  # a loader with no batch on any rank
 
     def step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one step; the metrics may merge only after a loader's last one."""
-        self._metric_sync.set_ready(False)
+        if self._metric_sync is not None:
+            self._metric_sync.set_ready(False)
         self.in_step = True
         try:
             output = step(*args, **kwargs)
@@ -130,11 +137,13 @@ class _EvaluationRun:
             return output
         finally:
             self.in_step = False
-            self._metric_sync.set_ready(self._steps in self._loader_ends)
+            if self._metric_sync is not None:
+                self._metric_sync.set_ready(self._steps in self._loader_ends)
 
     def end(self) -> None:
         """Give the metrics their own sync back."""
-        self._metric_sync.end()
+        if self._metric_sync is not None:
+            self._metric_sync.end()
 
 
 class ScatterEvaluation:
@@ -186,11 +195,11 @@ class ScatterEvaluation:
             batches = trainer.num_sanity_val_batches
         else:
             batches = trainer.num_test_batches if trainer.testing else trainer.num_val_batches
-        if all(math.isfinite(n) for n in batches):  # else no step is known to be a rank's last
-            loader_ends = list(itertools.accumulate(int(n) for n in batches))
-            self._evaluation_run = _EvaluationRun(
-                loader_ends, _metrics(trainer, self.lightning_module), self._collective_device
-            )
+        known = all(math.isfinite(n) for n in batches)  # else no step is known to be a rank's last
+        loader_ends = list(itertools.accumulate(int(n) for n in batches)) if known else None
+        self._evaluation_run = _EvaluationRun(
+            loader_ends, _metrics(trainer, self.lightning_module), self._collective_device
+        )
 
     def _end_run(self) -> None:
         if self._evaluation_run is not None:

@@ -5,6 +5,8 @@
 - ``layer_sync``: :class:`CustomSyncBatchNorm`, the ``LayerSync`` plugin that swaps BatchNorm layers for the
   core's :class:`parallel.batchnorm.syncbn.SyncBatchNorm`, and :class:`BatchNormSyncChoice`, which of the two
   plugins runs.
+- ``uneven_training``: :class:`UnevenTraining`, uneven training data per rank: the loader joins (empty batches
+  once a rank's data ends) and each step is weighed by the ranks that trained in it.
 - ``zero1``: :func:`shard_optimizers`, ZeRO-1 for the configured optimizers.
 
 May import: :mod:`parallel`, Lightning, :mod:`strategies.options` and :mod:`strategies.stopping` (the stop flag
@@ -14,6 +16,7 @@ below.
 
 from strategies.training.layer_sync import BatchNormSyncChoice, CustomSyncBatchNorm
 from strategies.training.synced_training import SyncedTraining
+from strategies.training.uneven_training import UnevenTraining
 from strategies.training.zero1 import shard_optimizers
 
-__all__ = ["BatchNormSyncChoice", "CustomSyncBatchNorm", "SyncedTraining", "shard_optimizers"]
+__all__ = ["BatchNormSyncChoice", "CustomSyncBatchNorm", "SyncedTraining", "UnevenTraining", "shard_optimizers"]
