@@ -5,15 +5,23 @@ conformance tables run the same patterns (``conformance.uneven_patterns``, ``con
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from conformance_harness import make_trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conformance.table import uneven_values
 from conformance.training_patterns import ManualOptimization
 from conformance.training_runs import fit_pattern
 from conformance.uneven_patterns import UNEVEN_PATTERNS, UnevenTraining
+from strategies.custom_ddp import CustomDDPStrategy
+from strategies.stopping.stop_signals import StopOnSignal
 
 pytestmark = pytest.mark.distributed
 
@@ -110,3 +118,25 @@ def test_validation_inside_a_joined_epoch_sees_the_trained_buffers_and_the_fit_g
         torch.testing.assert_close(rank["records"]["val_loss"], truth["records"]["val_loss"], rtol=1e-5, atol=0)
         for key, want in truth["state"].items():  # SyncBatchNorm's running statistics included
             torch.testing.assert_close(rank["state"][key], want, rtol=0, atol=1e-6, msg=key)
+
+
+class _SigtermOnRank1(Callback):
+    """SIGTERM to rank 1 at the start of batch 2: a step it runs on an empty batch (4 + 2 batches)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if (trainer.global_rank, batch_idx) == (1, 2):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_on_the_rank_running_empty_batches_stops_every_rank_at_that_step(tmp_path: Path) -> None:
+    trainer = make_trainer(
+        CustomDDPStrategy(start_method="fork", timeout=30),
+        max_epochs=1,
+        use_distributed_sampler=False,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=0), _SigtermOnRank1()],
+    )
+    with pytest.raises(StopOnSignal) as stopped:
+        trainer.fit(UNEVEN_PATTERNS["uneven_4_2"]())
+    assert stopped.value.code == 143
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3  # that step, none after
