@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, settings, slowest_ranks, timed_rounds
-from benchmarks.launcher import run_workers
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
+from collectives.launcher import run_workers
 from measure.memory import measure_peak
 from measure.stats import median_ci
 from measure.timing import aligned_seconds

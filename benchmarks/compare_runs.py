@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import interleave, medians, parser
-from benchmarks.launcher import without_launch_variables
 from benchmarks.report import fmt_value, table
+from collectives.launcher import without_launch_variables
 from measure.timing import slowest_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import harness, report
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from lit_cifar.nets import CifarResNet18, TemplateNet
 from measure.stats import difference_ci, median_ci, ratio_ci
 from parallel.batchnorm.syncbn import SyncBatchNorm

@@ -30,7 +30,7 @@ import torch.utils.benchmark
 from torch import nn
 
 from benchmarks import harness, report
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from lit_cifar.nets import TemplateNet
 from measure.stats import difference_ci, in_runs, ratio_ci
 from parallel.batchnorm.syncbn import SyncBatchNorm

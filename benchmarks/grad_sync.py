@@ -33,7 +33,7 @@ from torch import nn
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
 from benchmarks.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
 from benchmarks.harness import interleave, parse, parser, run_benchmark, settings, slowest_ranks
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from measure.collective_count import Window, count_collectives
 from measure.memory import measure_peak, return_freed_memory_above
 from parallel.gradients.grad_sync import SyncedDataParallel

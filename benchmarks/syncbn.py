@@ -43,8 +43,8 @@ from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm 
 
 import parallel.batchnorm.syncbn
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
-from benchmarks.launcher import run_workers
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
+from collectives.launcher import run_workers
 from measure.memory import allocated_peak, measure_peak
 from measure.timing import aligned_seconds
 from parallel.batchnorm.syncbn import SyncBatchNorm

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.launcher import without_launch_variables
+from collectives.launcher import without_launch_variables
 from conformance import fault_matrix_report
 from conformance.fault_messages import rank0_message
 from conformance.fault_rows import DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row

@@ -13,7 +13,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from benchmarks.launcher import LAUNCH_VARIABLES
+from collectives.launcher import LAUNCH_VARIABLES
 from lit_cifar.data import CIFAR100DataModule
 
 # Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.

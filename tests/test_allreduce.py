@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.launcher import run_workers
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
+from collectives.launcher import run_workers
 
 pytestmark = pytest.mark.distributed
 

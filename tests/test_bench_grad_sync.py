@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import grad_sync, grad_sync_report
 from benchmarks.harness import Quietness, make_record
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 
 # Median step seconds per variant: bucketed is 4 % faster than ddp_tuned, 20 ms above no_comm;
 # one process on all cores takes 0.090 s for one rank's batch.

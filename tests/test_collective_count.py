@@ -20,8 +20,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from benchmarks.launcher import run_workers
 from callbacks import CollectiveCounter
+from collectives.launcher import run_workers
 from measure.collective_count import count_collectives
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.gradients.grad_sync import SyncedDataParallel

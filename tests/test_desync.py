@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.fault_tolerance.desync import _torch_view, enable_desync_check, is_desync_error, own_side, report_desync
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from conformance.patterns import (
     NUM_SAMPLES,
     CallbackAUROC,

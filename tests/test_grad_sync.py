@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.host.host_reduce import parse_launch_label
 from parallel.sync_config import SYNC_MODES

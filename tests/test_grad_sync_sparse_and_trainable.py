@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.gradients.grad_sync import SyncedDataParallel
 
 pytestmark = pytest.mark.distributed

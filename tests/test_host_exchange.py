@@ -12,7 +12,7 @@ import torch.distributed as dist
 from syncbn_cases import CASES, assert_matches, make_layer, reference, train_and_eval
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.dist_utils import consecutive_rank_group
 from parallel.host import host_reduce

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.host import host_reduce
 from parallel.host.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from measure.collective_count import count_collectives
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.uneven.joined_loader import JoinedLoader, UnevenDataError, empty_like_batch, join_uneven

@@ -67,7 +67,6 @@ _MEASUREMENT = [
     "callbacks",
     "measure",
     *_modules(measure),
-    "benchmarks.launcher",
     "benchmarks.harness",
     "benchmarks.report",
     "benchmarks.readme_results",

@@ -17,7 +17,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
 from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from conformance.patterns import MeanStateMetric
 from measure.collective_count import count_collectives
 from parallel.evaluation.metric_sync import MetricSync, merge_kinds

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.launcher import WorkerError, run_workers
+from collectives.launcher import WorkerError, run_workers
 
 pytestmark = pytest.mark.distributed
 

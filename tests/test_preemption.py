@@ -23,7 +23,7 @@ from torch import nn
 from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.gradients.grad_sync import SyncedDataParallel
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.preemption import Preemption, stop_checkpoint_path

@@ -6,7 +6,7 @@ import pytest
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DistributedSampler
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.evaluation.eval_sharding import (
     ShardPlan,
     ShardSampler,

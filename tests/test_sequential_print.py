@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from collectives.sequential_print import print_order, print_sequentially
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-from benchmarks.launcher import without_launch_variables
+from collectives.launcher import without_launch_variables
 from strategies.custom_ddp import CustomDDPStrategy
 
 pytestmark = pytest.mark.distributed

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import train  # train.py at the repository root, on pytest's pythonpath
-from benchmarks.launcher import WorkerError, run_workers
 from callbacks.run_hparams import flatten_hparams
+from collectives.launcher import WorkerError, run_workers
 from measure.collective_count import count_collectives
 from measure.run_info import strategy_options
 from parallel.gradients.grad_sync import SyncedDataParallel

@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 import parallel.batchnorm.syncbn
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS, compiled_kernels
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import parallel.batchnorm.syncbn
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.torch_compat import make_norm

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import parallel.batchnorm.syncbn
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.batchnorm.syncbn_kernels import compiled_kernels
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.launcher import run_workers
+from collectives.launcher import run_workers
 from parallel.gradients import zero
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.gradients.zero import ShardedOptimizer

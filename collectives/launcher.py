@@ -1,6 +1,7 @@
 """Run a function on ``world_size`` local processes joined in one process group.
 
-Used by the tests and the benchmarks: the fork start method with gloo and a ``file://`` store
+Used by the tests, the conformance tables and the benchmarks (which is why it lives beside the
+collectives, not in any of them): the fork start method with gloo and a ``file://`` store
 brings up a 2-rank group in ~0.05 s on CPU (spawn needs ~3 s because every child re-imports
 torch). Pure torch; no Lightning import.
 
