@@ -47,8 +47,12 @@ REFERENCE = ("ddp_fork", None)
 # default start method, popen: test_registered_names_are_the_class_with_a_start_method): those three runs repeat
 # the registered names' and are slow-marked. forkserver runs the launcher of spawn (custom_ddp_spawn's run) with one
 # step more, each worker unsharing its module's memory, which test_forkserver_workers_own_their_weights checks in
-# one process: its run is slow-marked too. Three runs by default.
+# one process: its run is slow-marked too. The fork name's run is slow as well: every stage of custom_ddp under fork
+# is what most distributed tests run (tests/test_conformance_eval.py validates, tests and predicts against one
+# process; the training conformance fits), and its name is the class with fork (the test named above). Two runs by
+# default: popen (Lightning's default, a script re-run) and spawn (pickling), which no other test starts from a name.
 _SLOW_RUNS = (
+    "custom_ddp_fork",
     *(f"CustomDDPStrategy(start_method={method})" for method in ("popen", "fork", "spawn")),
     "CustomDDPStrategy(start_method=forkserver)",
 )
