@@ -127,8 +127,11 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 # Rows whose mechanism a faster 2-rank fork test proves already run with the slow ones: a SIGTERM to rank 1 mid-step
 # (tests/test_preemption.py::test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly) and a
 # collective one rank issues alone under desync_check
-# (tests/test_worker_exception.py::test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seconds).
-_SHORT_SLOW = ("sigterm_rank1_train", "rank_collective_desync")
+# (tests/test_worker_exception.py::test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seconds),
+# and a rank looping in training_step: its parts are proven in one process (tests/test_watchdog.py: a silent main
+# thread outside a collective stalls, its peer waiting in one does not; the verdict is agreed once and the reporter
+# names the stalled rank), and the end-to-end stall path (store, verdict, exit 75 on every rank) by the SIGSTOP row.
+_SHORT_SLOW = ("sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train")
 
 
 @pytest.mark.distributed
