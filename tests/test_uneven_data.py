@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conformance.table import uneven_values
 from conformance.training_patterns import ManualOptimization
-from conformance.training_runs import fit_pattern
+from conformance.training_runs import compare, fit_pattern
 from conformance.uneven_patterns import UNEVEN_PATTERNS, UnevenTraining
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.stop_signals import StopOnSignal
@@ -140,3 +140,12 @@ def test_a_sigterm_on_the_rank_running_empty_batches_stops_every_rank_at_that_st
         trainer.fit(UNEVEN_PATTERNS["uneven_4_2"]())
     assert stopped.value.code == 143
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3  # that step, none after
+
+
+@pytest.mark.parametrize("options", [{"zero1": True}, {"sync_mode": "flat"}], ids=["zero1", "flat"])
+def test_the_join_holds_under_zero1_and_flat_sync(options: dict) -> None:
+    # ZeRO-1 shards the optimizer state over the ranks, flat sends one bucket at the end of backward: a step where
+    # rank 0 ran an empty batch is weighed the same way (SyncBatchNorm counting it as 0 samples, as in the row).
+    pattern = type("Joined", (UNEVEN_PATTERNS["uneven_2_4_batchnorm"],), {"custom_options": options})
+    result = compare(fit_pattern(pattern, "custom_ddp"), fit_pattern(pattern, "one_process"))
+    assert result["max_diff"] <= 1e-6 and result["ranks_agree"], result
