@@ -34,6 +34,8 @@ from typing import Any
 
 from benchmarks.compare_runs import (
     BASE_CONFIG,
+    GPU,
+    GPU_NETS,
     NETS,
     REPO_ROOT,
     VARIANTS,
@@ -251,8 +253,11 @@ def write(record: dict[str, Any], out: Path) -> None:
         series = {v["label"]: [row["step_s"].get(k) for row in by_acc.values()] for k, v in variants.items()}
         groups = [f"accumulate {acc}" for acc in by_acc]
         panels.append(Panel(f"{net} net", "optimizer step, ms (median)", groups, series, scale=1e3))
-    step_time = ("step time; 2 CPU processes, ddp with local BN on CPU", panels)
-    publish(out, record, TITLE, body, {"step_time.png": step_time})
+    where = "2 CPU processes, ddp with local BN on CPU"
+    if cfg.get("accelerator") == "gpu":
+        where = f"{cfg['devices']} GPU, {cfg['precision']}"
+    step_time = (f"step time; {where}", panels)
+    publish(out, record, TITLE.replace("2 CPU processes", where.split(",")[0]), body, {"step_time.png": step_time})
     if curves:  # none with --timing-only
         title = "accuracy runs (last epoch: the one-process test)"
         plot_estimates(out / "curves.png", _curve_panels(curves, variants), title)
@@ -268,14 +273,21 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
     p.add_argument("--rounds", type=int, default=2, help="interleaved timed fits per variant and setting")
     p.add_argument("--accuracy-epochs", type=int, default=6)
     p.add_argument("--timing-only", action="store_true", help="skip the accuracy fits and the collective counts")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, ResNet-18, bf16")
     args = parse(p, argv)
+    gpu = args.device == "cuda"
+    if gpu and (args.nets != ["resnet18"] or not args.timing_only):
+        p.error("--device cuda times ResNet-18 fits on one GPU: add --nets resnet18 --timing-only")
     if min(*args.accumulates, args.rounds, args.accuracy_epochs) < 1:
         p.error(
             f"--accumulate, --rounds and --accuracy-epochs must be >= 1, got {args.accumulates}, {args.rounds}, "
             f"{args.accuracy_epochs}"
         )
+    settings = run_settings(args, GPU_NETS if gpu else NETS, {"warmup_steps": 1, "steps": 3})
+    if gpu:  # the GPU's flags; --quick: data for its few batches of 256
+        settings = settings | GPU | ({"train_size": 4_000} if args.quick else {})
     return {
-        **run_settings(args, NETS, {"warmup_steps": 1, "steps": 3}),
+        **settings,
         "base_config": BASE_CONFIG,
         "accumulates": [2] if args.quick else sorted(set(args.accumulates)),
         "rounds": 1 if args.quick else args.rounds,

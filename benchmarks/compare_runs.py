@@ -35,6 +35,9 @@ NETS = {
     "template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
     "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 8},
 }
+# One GPU (issue 45): ResNet-18 at batch 256 in bf16, one process; its steps are bound by kernel launches (~20 ms).
+GPU = {"accelerator": "gpu", "devices": 1, "precision": "bf16-mixed", "train_size": 36_000}
+GPU_NETS = {"resnet18": {"batch_size": 256, "warmup_steps": 20, "steps": 100}}
 
 
 @dataclass(frozen=True)
@@ -175,13 +178,15 @@ def fit_flags(
         "data.val_size": 0.1,
         "data.synthetic_train_size": cfg["train_size"],
         "data.synthetic_test_size": cfg["test_size"],
-        "trainer.accelerator": "cpu",
+        "trainer.accelerator": cfg.get("accelerator", "cpu"),
         "trainer.enable_progress_bar": False,
         "trainer.enable_model_summary": False,
     }
     shared |= {} if net == "template" else {"model.net_kwargs": "{}"}  # the base config's are the template's
     shared |= {"data.data_dir": cfg["data_dir"]} if "data_dir" in cfg else {}  # see run_settings
-    own = {"trainer.devices": VARIANTS[variant].processes, "trainer.accumulate_grad_batches": accumulate} | flags
+    devices = cfg.get("devices", VARIANTS[variant].processes)  # one GPU: one process (compare --device cuda)
+    own = {"trainer.devices": devices, "trainer.accumulate_grad_batches": accumulate}
+    own |= ({"trainer.precision": cfg["precision"]} if "precision" in cfg else {}) | flags
     return [
         *(_flag(k, x) for k, x in shared.items()),
         *VARIANTS[variant].flags,

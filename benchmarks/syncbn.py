@@ -14,10 +14,11 @@ passes ``torch.compile``'d; (N, C) and small inputs stay eager by design, see
 ``parallel/batchnorm/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
 then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
 on CUDA ``torch_syncbn`` (torch's SyncBatchNorm autograd Function, called even on one rank, where its
-module would run cuDNN's BN); targets custom <= 1.2x floor (CPU), <= 1.0x torch_syncbn (CUDA). The
-kernel alone, on ONE rank: custom vs torch's BatchNorm, targets <= 1.10 (conv) and <= 1.5 (N, C),
-where a Python kernel's ~30 torch calls cost more than the arithmetic (``python_floor``, an
-autograd.Function copying x and the gradient: what any Python kernel pays). Interleaved rounds of
+module would run cuDNN's BN) and ``eager`` (the eager reference kernel; ``custom`` is then the layer's CUDA
+path, its Triton kernels: ``parallel/batchnorm/syncbn_fused.py``); targets custom <= 1.2x floor (CPU),
+<= 1.0x torch_syncbn (CUDA). The kernel alone, on ONE rank: custom vs torch's BatchNorm, targets <= 1.10
+(conv) and <= 1.5 (N, C), where a Python kernel's ~30 torch calls cost more than the arithmetic
+(``python_floor``, an autograd.Function copying x and the gradient: what any Python kernel pays). Interleaved rounds of
 barrier-aligned iterations, each sample the slowest rank's (``torch.utils.benchmark`` would put
 the ranks' collectives out of step). Peak memory of one forward+backward: the most bytes of tensors
 held at once (CPU: the profiler's allocator events, ``measure.memory.allocated_peak``; CUDA: the
@@ -60,7 +61,7 @@ QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
 TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 1.0)}  # baseline, max custom/baseline
 ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape kind
 COMPILED_TARGETS = {"conv": 1.00, "nc": 1.5}  # max compiled/native BN on one rank, by shape kind
-KERNELS = ("custom", "shared", "compiled")  # the numerators of every ratio
+KERNELS = ("custom", "shared", "compiled", "eager")  # the numerators of every ratio
 SHARED_TARGET = 1.0  # max shared/floor: the statistics through shared memory cost no more than 2 gloo all-reduces
 TITLE = "SyncBatchNorm: forward+backward time and peak memory"
 KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
@@ -94,6 +95,15 @@ class _LocalKernel(nn.Module):
         return sync_batch_norm(x, layer.weight, layer.bias, *stats, None, 1, kernels)
 
 
+class _EagerKernel(_LocalKernel):
+    """``layer``'s eager reference kernel on its group (on CUDA the layer itself takes its Triton kernels)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer, world = self.layer, dist.group.WORLD
+        stats = (layer.running_mean, layer.running_var, layer.momentum, layer.eps)
+        return sync_batch_norm(x, layer.weight, layer.bias, *stats, world, dist.get_world_size(world))
+
+
 class _PythonFloor(nn.Module):
     """A layer whose autograd.Function copies x and the gradient: the overhead of any Python kernel."""
 
@@ -121,7 +131,9 @@ def _methods(
         "local": local(shape[1]),
         "floor": local(shape[1]),
         "python_floor": _PythonFloor(),
-    } | ({"torch_syncbn": _TorchSyncFunction(shape[1])} if device.type == "cuda" else {})
+    }
+    if device.type == "cuda":  # torch's SyncBN Function; the eager kernel (custom: the layer's Triton kernels)
+        layers |= {"torch_syncbn": _TorchSyncFunction(shape[1]), "eager": _EagerKernel(SyncBatchNorm(shape[1]))}
 
     def fwd_bwd(name: str, layer: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -189,7 +201,7 @@ def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any
     """Medians and the ratios of custom over every other method (CIs) from one shape's slowest-rank samples,
     kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
     pairs = [(a, b) for a in KERNELS for b in samples if b not in KERNELS]
-    extra = [("shared", "custom"), ("compiled", "custom"), ("python_floor", "local")]
+    extra = [("shared", "custom"), ("compiled", "custom"), ("custom", "eager"), ("python_floor", "local")]
     return round_estimates(samples, run_length, [*pairs, *extra])
 
 
@@ -338,7 +350,8 @@ def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[st
     the first compile from an empty inductor cache. Completes ``cfg`` with the ranks' threads."""
     one_rank_run = cfg["world_size"] == 1  # one GPU: the synchronised run is the one-rank run
     with tempfile.TemporaryDirectory(prefix="syncbn-inductor-") as cache:  # a first compile from nothing
-        methods = ("custom", "shared", "compiled", "local", "floor", "torch_syncbn", *one_rank_run * ("python_floor",))
+        methods = ("custom", "shared", "compiled", "eager", "local", "floor", "torch_syncbn")
+        methods += one_rank_run * ("python_floor",)
         synchronised = {"methods": methods, "inductor_cache": cache}
         per_rank = run_workers(_worker, cfg["world_size"], args=(shapes, cfg | synchronised), **launch)
         # The kernel alone (no collective), custom against native BN, timing only.

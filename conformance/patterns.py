@@ -191,15 +191,8 @@ class CallbackAUROC(Callback):
     def __init__(self) -> None:
         self.auroc = BinaryAUROC()
 
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any):
+        batch = args[0]  # then batch_idx, dataloader_idx
         self.auroc.update(outputs, batch[1])
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

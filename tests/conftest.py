@@ -5,16 +5,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from filelock import FileLock
 
 from collectives.launcher import LAUNCH_VARIABLES
-from lit_cifar.data import CIFAR100DataModule
+
+if TYPE_CHECKING:  # imported where used: torchvision imports Triton (see pytest_configure)
+    from lit_cifar.data import CIFAR100DataModule
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Without a GPU, SyncBatchNorm's Triton kernels run in Triton's interpreter (tests/test_syncbn_fused.py). Triton
+    # reads TRITON_INTERPRET when it is imported, and torchvision imports it: set it before any test module loads.
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.
 TINY = {"synthetic_train_size": 400, "synthetic_test_size": 200, "val_size": 100, "batch_size": 64}
@@ -79,6 +90,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_tiny_datamodule(data_dir: Path, **overrides: Any) -> CIFAR100DataModule:
+    from lit_cifar.data import CIFAR100DataModule
+
     kwargs = {"data_dir": str(data_dir), "dataset": "synthetic", **TINY, **overrides}
     return CIFAR100DataModule(**kwargs)
 

@@ -40,7 +40,9 @@ def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
         "parallel.batchnorm.syncbn",
         "parallel.batchnorm.syncbn_function",
+        "parallel.batchnorm.syncbn_fused",
         "parallel.batchnorm.syncbn_kernels",
+        "parallel.batchnorm.triton_kernels",
         "parallel.dist_utils",
         "parallel.evaluation.eval_sharding",
         "parallel.evaluation.metric_sync",

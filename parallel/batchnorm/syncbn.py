@@ -2,7 +2,8 @@
 
 A drop-in for ``torch.nn.BatchNorm{1,2,3}d`` whose training-mode statistics are aggregated over
 all ranks of a process group with exactly one collective in forward and one in backward (the
-math and its hand-derived backward live in :mod:`parallel.batchnorm.syncbn_function`). Unlike
+math and its hand-derived backward live in :mod:`parallel.batchnorm.syncbn_function`; on CUDA the same math runs in
+Triton kernels, :mod:`parallel.batchnorm.syncbn_fused`). Unlike
 ``torch.nn.SyncBatchNorm`` it runs on CPU/gloo as well as CUDA/NCCL, and it is not a subclass of
 it (torch DDP rejects that class on CPU).
 
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from parallel.batchnorm import syncbn_fused
 from parallel.batchnorm.syncbn_function import StatsExchange, sync_batch_norm
 from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS
 from parallel.torch_compat import drop_bias, make_norm, norm_bias_kwargs, reset_norm_parameters
@@ -54,7 +56,8 @@ class SyncBatchNorm(_BatchNorm):
         compile: Run the training-mode passes compiled with ``torch.compile`` (the same math as
             the eager kernel, fused: :mod:`parallel.batchnorm.syncbn_kernels`); the first training step
             compiles (~20 s on CPU with a cold inductor cache, ~3 s per new layer shape). If
-            compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md.
+            compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md. Without
+            it, CUDA inputs run the Triton kernels of :mod:`parallel.batchnorm.syncbn_fused` (if Triton imports).
         force_sync: Run the hand-written synchronising kernel where nothing is synchronised as well
             (a one-rank group: its collectives run on it; no process group: local statistics), not
             torch's native batch norm: for benchmarks and tests of the kernel.
@@ -140,10 +143,13 @@ class SyncBatchNorm(_BatchNorm):
             # Nothing to synchronise: torch's own fused kernel (cuDNN on a GPU), as torch's SyncBatchNorm does.
             output = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps)
         else:
-            kernels = COMPILED_KERNELS if self.compile_kernel else None
-            exchange = self._exchange if group is not None else None
             args = (self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size)
-            output = sync_batch_norm(input, *args, kernels, exchange)
+            if not self.compile_kernel and syncbn_fused.handles(input):  # CUDA: the same math in Triton kernels
+                output = syncbn_fused.FusedSyncBatchNorm.apply(input, *args)
+            else:
+                kernels = COMPILED_KERNELS if self.compile_kernel else None
+                exchange = self._exchange if group is not None else None
+                output = sync_batch_norm(input, *args, kernels, exchange)
         if running_mean is not None:
             # Counted once the statistics are in, as the running averages are: a forward that fails in
             # its collective (a peer lost) leaves the layer as it was, and a checkpoint written then

@@ -53,7 +53,7 @@ from torch.autograd.function import once_differentiable
 from parallel.batchnorm.syncbn_kernels import EAGER_KERNELS, Kernels
 from parallel.torch_compat import all_gather_single
 
-__all__ = ["StatsExchange", "sync_batch_norm"]
+__all__ = ["StatsExchange", "check_global_count", "sync_batch_norm"]
 
 
 class StatsExchange(Protocol):
@@ -124,7 +124,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x, weight, bias, running_mean, running_var, momentum, eps, group, world_size, kernels, exchange = args
         local_count = x.numel() // x.shape[1]
         state, approx_mean, moments = _batch_moments(x, kernels, local_count, group, world_size, exchange)
-        has_values = _check_global_count(moments.count, local_count, x.shape)
+        has_values = check_global_count(moments.count, local_count, x.shape)
         if running_mean is not None and running_var is not None and has_values:
             _update_running_stats(running_mean, running_var, moments, momentum)
         invstd = moments.var.add_(eps).rsqrt_()
@@ -249,7 +249,7 @@ def _gather_moments(
     return count, reference + mean_shift, offset, m2
 
 
-def _check_global_count(count: int | Tensor, local_count: int, shape: torch.Size) -> bool:
+def check_global_count(count: int | Tensor, local_count: int, shape: torch.Size) -> bool:
     """Raise if the global batch has 1 value per channel; return whether it has any.
 
     Only a rank that holds fewer than 2 values can see a global count below 2, so only such a

@@ -95,14 +95,7 @@ def _eager_backward_sums(x: Tensor, grad_out: Tensor, mean: Tensor) -> tuple[Ten
     return buf, grad_out.sum(_reduce_dims(x), dtype=mean.dtype), _sum_of_products(buf, grad_out)
 
 
-def _eager_input_grad(
-    buf: Tensor,
-    grad_out: Tensor,
-    mean: Tensor,
-    scale: Tensor,
-    coef_xmu: Tensor,
-    coef_const: Tensor,
-) -> Tensor:
+def _eager_input_grad(buf: Tensor, grad_out: Tensor, mean: Tensor, scale: Tensor, coef_xmu: Tensor, coef_const: Tensor):
     grad_input = _scale_shift_(buf, coef_xmu, coef_const)
     return grad_input.addcmul_(grad_out, _per_channel(scale, buf))
 
@@ -185,14 +178,7 @@ def _backward_sums_pass(x: Tensor, grad_out: Tensor, mean: Tensor) -> tuple[Tens
     return g.sum(dims).to(mean.dtype), (g * xmu).sum(dims).to(mean.dtype)
 
 
-def _input_grad_pass(
-    x: Tensor,
-    grad_out: Tensor,
-    mean: Tensor,
-    scale: Tensor,
-    coef_xmu: Tensor,
-    coef_const: Tensor,
-) -> Tensor:
+def _input_grad_pass(x: Tensor, grad_out: Tensor, mean: Tensor, scale: Tensor, coef_xmu: Tensor, coef_const: Tensor):
     xmu = x.to(mean.dtype) - _per_channel(mean, x)
     grad = grad_out.to(mean.dtype) * _per_channel(scale, x) + xmu * _per_channel(coef_xmu, x)
     return (grad + _per_channel(coef_const, x)).to(x.dtype)

@@ -1,0 +1,157 @@
+"""SyncBatchNorm's CUDA path: the same math as :mod:`parallel.batchnorm.syncbn_function`, in five Triton kernels.
+
+On a GPU a ResNet-18 CIFAR step is bound by kernel launches (issue 45: ~20 ms of launches for ~1 ms of math on
+an H200), and the eager reference launches one kernel per torch op: four x-sized passes plus ~30 C-sized ops per
+layer and step. Here each pass is one kernel and the C-sized math between the collectives is fused into them::
+
+    forward:   moments -> all_gather -> merge (+ running stats) -> normalise          3 kernels, 1 collective
+    backward:  grad_sums (+ local dgamma, dbeta) -> all_reduce -> grad_input          2 kernels, 1 collective
+
+the launches of torch's own CUDA SyncBatchNorm (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
+``batch_norm_elemt``; ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``). Memory: the statistics
+(``2C + 1`` and ``5C + 1`` values), the output and ``dL/dx``; nothing x-sized besides, as torch.
+
+Why Triton and not ``torch.compile`` of the whole forward and backward: the compiled set
+(:func:`parallel.batchnorm.syncbn_kernels.compiled_kernels`) still runs the C-sized math eagerly between its
+graphs, and graphs with collectives inside need functional collectives and a graph per world size and layer
+shape; five hand-written kernels are the readable form of the fused passes, run without a warm-up compile, and
+Triton's interpreter (``TRITON_INTERPRET=1``) runs them on CPU, so the tests check them without a GPU.
+
+Used by :class:`parallel.batchnorm.syncbn.SyncBatchNorm` for CUDA inputs when Triton imports (:func:`handles`);
+the eager reference stays the CPU path. Pure torch + Triton; no Lightning import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from parallel.batchnorm.syncbn_function import check_global_count
+from parallel.torch_compat import all_gather_single
+
+__all__ = ["FusedSyncBatchNorm", "handles"]
+
+_BLOCK = 1024  # positions per program step: 4 KiB of fp32 per load, Triton's usual elementwise block
+_BLOCK_C = 128  # channels per program of the merge
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """The kernels module, imported on first use (``TRITON_INTERPRET`` is read then); ``None`` without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from parallel.batchnorm import triton_kernels
+
+    return triton_kernels
+
+
+def handles(x: Tensor) -> bool:
+    """Whether :class:`FusedSyncBatchNorm` runs ``x``: a CUDA floating-point input, with Triton installed."""
+    return x.device.type == "cuda" and x.dtype in _DTYPES and _triton_kernels() is not None
+
+
+def _dense(tensor: Tensor) -> Tensor:
+    """``tensor`` itself if contiguous in torch's or a channels_last format (its spatial dims then merge into one,
+    and ``empty_like`` gives its strides), else a contiguous copy."""
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    if tensor.is_contiguous() or (channels_last is not None and tensor.is_contiguous(memory_format=channels_last)):
+        return tensor
+    return tensor.contiguous()
+
+
+def _geometry(tensor: Tensor) -> tuple[int, int, int, int, int]:
+    """``(N * S, S, stride_n, stride_c, stride_s)`` of a :func:`_dense` tensor seen as (N, C, S)."""
+    spatial = [(size, stride) for size, stride in zip(tensor.shape[2:], tensor.stride()[2:], strict=True) if size != 1]
+    positions = 1
+    for size, _ in spatial:
+        positions *= size
+    stride_s = spatial[-1][1] if spatial else 1
+    return tensor.shape[0] * positions, positions, tensor.stride(0), tensor.stride(1), stride_s
+
+
+def _grid(channels: int, positions: int) -> tuple[int, int]:
+    return channels, -(-positions // _BLOCK)
+
+
+class FusedSyncBatchNorm(torch.autograd.Function):
+    """``FusedSyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, group, world_size)``:
+    :func:`parallel.batchnorm.syncbn_function.sync_batch_norm` (the arguments it documents, but the kernels and the
+    exchange) in the Triton kernels, one all_gather forward and one all_reduce backward on ``group`` (``None``:
+    local statistics). Where :func:`handles` says no, Triton is missing or the input is not on a GPU."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        x, weight, bias, running_mean, running_var, momentum, eps, group, world_size = args
+        kernels, x = _triton_kernels(), _dense(x)
+        channels, geometry = x.shape[1], _geometry(x)
+        # [count, mean, M2 | m0]: the first 2C + 1 values are this rank's row of the all_gather.
+        stats = x.new_empty(3 * channels + 1, dtype=torch.promote_types(x.dtype, torch.float32))
+        kernels.moments_kernel[(channels,)](x, stats, *geometry, channels, BLOCK=_BLOCK)
+        if group is None:
+            gathered, world_size = stats[: 2 * channels + 1], 1
+        else:
+            row = stats[: 2 * channels + 1]
+            gathered = stats.new_empty(world_size * row.numel())
+            all_gather_single(gathered, row, group=group)
+        local_count = geometry[0]
+        # Only a rank with fewer than 2 values per channel reads the global count back (a device sync).
+        if local_count >= 2:
+            has_values = True
+        else:
+            has_values = check_global_count(gathered.view(world_size, -1)[:, 0].sum(), local_count, x.shape)
+        update_running = running_mean is not None and running_var is not None and has_values
+        params = stats.new_empty(5 * channels + 1)  # mean, offset, invstd, scale, shift, count
+        kernels.merge_kernel[(-(-channels // _BLOCK_C),)](
+            gathered, stats, _or(weight, stats), _or(bias, stats), _or(running_mean, stats), _or(running_var, stats),
+            params, world_size, channels, momentum, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, UPDATE_RUNNING=update_running, BLOCK_C=_BLOCK_C,
+        )  # fmt: skip
+        output = torch.empty_like(x)
+        if local_count:
+            kernels.normalise_kernel[_grid(channels, local_count)](
+                x, output, stats, params, *geometry, channels, BLOCK=_BLOCK
+            )
+        ctx.save_for_backward(x, stats, params)
+        ctx.group, ctx.geometry = group, geometry
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        kernels, (x, stats, params), geometry = _triton_kernels(), ctx.saved_tensors, ctx.geometry
+        grad_out, channels = _dense(grad_out), x.shape[1]
+        grad_strides = (grad_out.stride(0), grad_out.stride(1), _geometry(grad_out)[4])
+        sums = params.new_empty(2 * channels)
+        need_weight = ctx.needs_input_grad[1] and ctx.weight_dtype is not None
+        need_bias = ctx.needs_input_grad[2] and ctx.bias_dtype is not None
+        grad_weight = x.new_empty(channels, dtype=ctx.weight_dtype) if need_weight else None
+        grad_bias = x.new_empty(channels, dtype=ctx.bias_dtype) if need_bias else None
+        kernels.grad_sums_kernel[(channels,)](
+            x, grad_out, stats, params, sums, _or(grad_weight, sums), _or(grad_bias, sums), *geometry, *grad_strides,
+            channels, WEIGHT_GRAD=need_weight, BIAS_GRAD=need_bias, BLOCK=_BLOCK,
+        )  # fmt: skip
+        if ctx.group is not None:
+            dist.all_reduce(sums, group=ctx.group)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch.empty_like(x)
+            if geometry[0]:
+                kernels.grad_input_kernel[_grid(channels, geometry[0])](
+                    x, grad_out, grad_input, stats, params, sums, *geometry, *grad_strides, channels, BLOCK=_BLOCK
+                )
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _or(tensor: Tensor | None, stand_in: Tensor) -> Tensor:
+    """A kernel argument for an optional tensor: a pointer its ``HAS_*`` flag keeps the kernel from touching."""
+    return stand_in if tensor is None else tensor

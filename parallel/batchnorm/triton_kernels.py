@@ -1,0 +1,215 @@
+"""SyncBatchNorm's CUDA kernels in Triton: five launches per layer and step, as many as torch's CUDA SyncBatchNorm.
+
+Imported only by :mod:`parallel.batchnorm.syncbn_fused`, lazily: ``triton.jit`` reads ``TRITON_INTERPRET`` when
+this module is imported (``TRITON_INTERPRET=1`` runs every kernel on CPU tensors in Triton's numpy interpreter,
+how the tests check them without a GPU).
+
+The input is seen as ``(N, C, S)`` with strides ``(stride_n, stride_c, stride_s)``: the spatial dimensions of a
+contiguous or a channels_last tensor merge into one (the caller checks that they do), so both memory formats
+run in place. Programs are laid out per channel (reductions: one program per channel) or per channel and block
+of ``N * S`` positions (elementwise passes). Arithmetic runs in the statistics buffer's dtype (fp32 at least,
+as in the eager reference); loads of a bf16/fp16 input widen, stores narrow.
+
+=========== ====================================================================================
+kernel      what it does (the formulas are :mod:`parallel.batchnorm.syncbn_function`'s)
+=========== ====================================================================================
+moments     this rank's ``[count, mean, M2]`` row (the all_gather's input), chunk by chunk (Chan)
+merge       the gathered rows -> mean, offset from this rank's mean, invstd, scale, shift, count;
+            the running statistics in place
+normalise   ``y = (x - m0) * scale + shift``
+grad_sums   ``[sum(g), sum(g (x - mu))]`` (the all_reduce's input); the local dgamma, dbeta
+grad_input  ``dL/dx = g * scale + (x - mu) * coef_xmu + coef_const``, coefficients per channel inline
+=========== ====================================================================================
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["grad_input_kernel", "grad_sums_kernel", "merge_kernel", "moments_kernel", "normalise_kernel"]
+
+
+@triton.jit
+def _position(idx, S, stride_n, stride_c, stride_s, channel):
+    """Memory offset of element ``idx`` of the channel's ``N * S`` positions."""
+    n = (idx // S).to(tl.int64)
+    s = (idx % S).to(tl.int64)
+    return n * stride_n + channel.to(tl.int64) * stride_c + s * stride_s
+
+
+@triton.jit
+def _load(ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc: tl.constexpr):
+    """The channel's values at positions ``idx`` (0 from ``total`` on), widened to ``acc``."""
+    where = _position(idx, S, stride_n, stride_c, stride_s, channel)
+    return tl.load(ptr + where, mask=idx < total, other=0.0).to(acc)
+
+
+@triton.jit
+def moments_kernel(x_ptr, stats_ptr, total, S, stride_n, stride_c, stride_s, C, BLOCK: tl.constexpr):
+    """``stats = [count, mean, M2, m0]`` (C-vectors) of this rank: the first ``2C + 1`` values are the all_gather's
+    row, ``m0`` the centre of the elementwise passes. One program per channel, two reads of its values, as the
+    eager reference: ``m0`` chunk by chunk (Chan et al.), then the deviations from it, where nothing cancels even
+    for 1e4 + N(0, 1): ``mean = m0 + sum(x - m0) / n``, ``M2 = sum((x - m0)^2) - sum(x - m0)^2 / n``."""
+    channel = tl.program_id(0)
+    acc = stats_ptr.dtype.element_ty
+    count = tl.zeros((), dtype=acc)
+    centre = tl.zeros((), dtype=acc)
+    for start in range(0, total, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < total
+        x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
+        chunk_count = tl.sum(inside.to(acc), axis=0)
+        merged = count + chunk_count
+        centre += (tl.sum(x, axis=0) / chunk_count - centre) * (chunk_count / merged)
+        count = merged
+    sum_dev = tl.zeros((BLOCK,), dtype=acc)
+    sum_sq = tl.zeros((BLOCK,), dtype=acc)
+    for start in range(0, total, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < total
+        x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
+        deviation = tl.where(inside, x - centre, 0.0)
+        sum_dev += deviation
+        sum_sq += deviation * deviation
+    total_dev = tl.sum(sum_dev, axis=0)
+    divisor = tl.maximum(count, 1.0)
+    tl.store(stats_ptr + 1 + channel, centre + total_dev / divisor)
+    tl.store(stats_ptr + 1 + C + channel, tl.maximum(tl.sum(sum_sq, axis=0) - total_dev * total_dev / divisor, 0.0))
+    tl.store(stats_ptr + 1 + 2 * C + channel, centre)
+    if channel == 0:  # count, not `total`: an int argument equal to 1 is specialised into a constant
+        tl.store(stats_ptr, count)
+
+
+@triton.jit
+def merge_kernel(
+    gathered_ptr, own_ptr, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, out_ptr,
+    world_size, C, momentum, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Merge ``world_size`` gathered rows into ``out = [mean, offset, invstd, scale, shift, count]`` (5 C-vectors
+    and the global count). The reference mean is that of the first rank with the most values, on every rank, so
+    every rank computes the same mean and running statistics; ``offset = (reference - m0) + shift`` keeps this
+    rank's output free of the global mean's rounding, as in the eager reference."""
+    channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = channel < C
+    acc = out_ptr.dtype.element_ty
+    row = 2 * C + 1
+    count = tl.zeros((), dtype=acc)
+    best = tl.full((), -1.0, dtype=acc)
+    reference = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
+        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
+        reference = tl.where(rank_count > best, rank_mean, reference)
+        best = tl.maximum(best, rank_count)
+        count += rank_count
+    divisor = tl.maximum(count, 1.0)
+    shift_sum = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
+        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
+        shift_sum += rank_count * (rank_mean - reference)
+    mean_shift = shift_sum / divisor
+    m2 = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
+        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
+        rank_m2 = tl.load(gathered_ptr + rank * row + 1 + C + channel, mask=inside, other=0.0).to(acc)
+        deviation = rank_mean - reference - mean_shift
+        m2 += rank_m2 + rank_count * deviation * deviation
+    mean = reference + mean_shift
+    own_mean = tl.load(own_ptr + 1 + 2 * C + channel, mask=inside, other=0.0).to(acc)
+    offset = (reference - own_mean) + mean_shift
+    var = m2 / divisor
+    invstd = 1.0 / tl.sqrt(var + eps)
+    scale = invstd
+    if HAS_WEIGHT:
+        scale = invstd * tl.load(weight_ptr + channel, mask=inside, other=1.0).to(acc)
+    shift = -offset * scale
+    if HAS_BIAS:
+        shift += tl.load(bias_ptr + channel, mask=inside, other=0.0).to(acc)
+    if UPDATE_RUNNING:  # the caller knows the batch has >= 2 values per channel
+        old_mean = tl.load(running_mean_ptr + channel, mask=inside, other=0.0).to(acc)
+        old_var = tl.load(running_var_ptr + channel, mask=inside, other=0.0).to(acc)
+        unbiased = var * (count / (count - 1.0))
+        tl.store(running_mean_ptr + channel, old_mean + momentum * (mean - old_mean), mask=inside)
+        tl.store(running_var_ptr + channel, old_var + momentum * (unbiased - old_var), mask=inside)
+    tl.store(out_ptr + channel, mean, mask=inside)
+    tl.store(out_ptr + C + channel, offset, mask=inside)
+    tl.store(out_ptr + 2 * C + channel, invstd, mask=inside)
+    tl.store(out_ptr + 3 * C + channel, scale, mask=inside)
+    tl.store(out_ptr + 4 * C + channel, shift, mask=inside)
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr + 5 * C, count)
+
+
+@triton.jit
+def normalise_kernel(
+    x_ptr, y_ptr, own_ptr, params_ptr, total, S, stride_n, stride_c, stride_s, C, BLOCK: tl.constexpr
+):  # fmt: skip
+    """``y = (x - m0) * scale + shift`` (``y`` has ``x``'s strides); programs per (channel, block)."""
+    channel = tl.program_id(0)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = params_ptr.dtype.element_ty
+    x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
+    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
+    scale = tl.load(params_ptr + 3 * C + channel)
+    shift = tl.load(params_ptr + 4 * C + channel)
+    where = _position(idx, S, stride_n, stride_c, stride_s, channel)
+    tl.store(y_ptr + where, (x - own_mean) * scale + shift, mask=idx < total)
+
+
+@triton.jit
+def grad_sums_kernel(
+    x_ptr, g_ptr, own_ptr, params_ptr, sums_ptr, grad_weight_ptr, grad_bias_ptr,
+    total, S, stride_n, stride_c, stride_s, g_stride_n, g_stride_c, g_stride_s, C,
+    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``sums = [sum(g), sum(g (x - mu))]`` per channel, and the LOCAL dgamma = ``sum(g x_hat)``, dbeta = ``sum(g)``
+    (the gradient sync averages them, as torch's SyncBatchNorm leaves it to); one program per channel."""
+    channel = tl.program_id(0)
+    acc = params_ptr.dtype.element_ty
+    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
+    offset = tl.load(params_ptr + C + channel)
+    sum_g = tl.zeros((BLOCK,), dtype=acc)
+    sum_g_xmu = tl.zeros((BLOCK,), dtype=acc)
+    for start in range(0, total, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
+        g = _load(g_ptr, idx, total, S, g_stride_n, g_stride_c, g_stride_s, channel, acc)  # 0 past the end
+        # x - mu as (x - m0) - offset: no rounding of a large global mean (the forward's centring).
+        xmu = (x - own_mean) - offset
+        sum_g += g
+        sum_g_xmu += g * xmu
+    total_g = tl.sum(sum_g, axis=0)
+    total_g_xmu = tl.sum(sum_g_xmu, axis=0)
+    tl.store(sums_ptr + channel, total_g)
+    tl.store(sums_ptr + C + channel, total_g_xmu)
+    if WEIGHT_GRAD:
+        tl.store(grad_weight_ptr + channel, total_g_xmu * tl.load(params_ptr + 2 * C + channel))
+    if BIAS_GRAD:
+        tl.store(grad_bias_ptr + channel, total_g)
+
+
+@triton.jit
+def grad_input_kernel(
+    x_ptr, g_ptr, dx_ptr, own_ptr, params_ptr, sums_ptr,
+    total, S, stride_n, stride_c, stride_s, g_stride_n, g_stride_c, g_stride_s, C, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``dL/dx = g * scale + (x - mu) * coef_xmu + coef_const`` with the global sums (``dx`` has ``x``'s strides):
+    ``coef_const = -scale sum(g) / n``, ``coef_xmu = -scale invstd^2 sum(g (x - mu)) / n``."""
+    channel = tl.program_id(0)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = params_ptr.dtype.element_ty
+    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
+    offset = tl.load(params_ptr + C + channel)
+    invstd = tl.load(params_ptr + 2 * C + channel)
+    scale = tl.load(params_ptr + 3 * C + channel)
+    minus_scale_over_n = -scale / tl.maximum(tl.load(params_ptr + 5 * C), 1.0)
+    coef_const = minus_scale_over_n * tl.load(sums_ptr + channel)
+    coef_xmu = minus_scale_over_n * invstd * invstd * tl.load(sums_ptr + C + channel)
+    x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
+    g = _load(g_ptr, idx, total, S, g_stride_n, g_stride_c, g_stride_s, channel, acc)
+    dx = g * scale + ((x - own_mean) - offset) * coef_xmu + coef_const
+    tl.store(dx_ptr + _position(idx, S, stride_n, stride_c, stride_s, channel), dx, mask=idx < total)
