@@ -1,5 +1,6 @@
-"""The syncbn, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny settings: they run
-through the shared harness and their records carry quietness, CIs for every ratio, threads, and headline rows."""
+"""The syncbn, syncbn_lockstep, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny
+settings: they run through the shared harness and their records carry quietness, CIs for every ratio, threads, and
+headline rows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import allreduce, data_pipeline, eval_memory, generator_keeping, syncbn
+from benchmarks import allreduce, data_pipeline, eval_memory, generator_keeping, syncbn, syncbn_lockstep
 from benchmarks.harness import Quietness, make_record
 
 ESTIMATE_KEYS = {"value", "low", "high", "n"}
@@ -167,6 +168,18 @@ def test_generator_keeping_quick_run(tmp_path: Path) -> None:
     saved = _check_saved(tmp_path, list(record["ratio"].values()))
     assert set(saved["step_s"]) == set(generator_keeping.MODES) and saved["step_s"]["off"]["n"] == 4
     assert "(store + mirror) / off" in _whats(saved)
+
+
+@pytest.mark.distributed
+def test_syncbn_lockstep_quick_run(tmp_path: Path) -> None:
+    record = syncbn_lockstep.main(["--quick", "--net", "template", "--out", str(tmp_path)])
+    saved = _check_saved(tmp_path, list(record["estimates"]["slowest"]["ratios"].values()))
+    assert {len(rank["samples"]["shared"]) for rank in saved["ranks"]} == {2}  # 2 rounds x 1 call
+    # The template net's BatchNorm exchanges twice per micro-batch (forward, backward) through shared memory.
+    assert {rank["exchanges"] for rank in saved["ranks"]} == {2}
+    for rank in saved["ranks"]:  # time at the barriers is part of the micro-batch's time
+        assert all(0 < w < s for w, s in zip(rank["wait_s"], rank["samples"]["shared"], strict=True))
+    assert "lockstep's cost beyond waiting" in _whats(saved)
 
 
 def test_eval_memory_rows_of_the_committed_record():
