@@ -124,6 +124,44 @@ def test_five_kernel_launches_per_training_step(kernels, monkeypatch):
     assert launches[3:] == ["grad_sums_kernel", "grad_input_kernel"]
 
 
+@pytest.fixture
+def fresh_self_check():
+    syncbn_fused.self_check.cache_clear()
+    yield syncbn_fused.self_check
+    syncbn_fused.self_check.cache_clear()
+
+
+def test_the_self_check_passes_where_the_kernels_run(fresh_self_check):
+    assert fresh_self_check(torch.device(DEVICE))
+
+
+def test_kernels_that_fail_send_the_layers_to_the_eager_kernel_with_one_warning(kernels, fresh_self_check, monkeypatch):
+    class Failing:
+        def __getitem__(self, grid):
+            raise RuntimeError("PTX assembly failed\n(details)")
+
+    monkeypatch.setattr(kernels, "moments_kernel", Failing())
+    with pytest.warns(RuntimeWarning, match=r"Triton kernels failed: RuntimeError: PTX assembly failed \(on cpu\)"):
+        assert not fresh_self_check(torch.device("cpu"))
+    assert not fresh_self_check(torch.device("cpu"))  # cached: checked, and warned, once per device
+
+
+def test_kernels_that_compute_wrong_values_are_not_used(kernels, fresh_self_check, monkeypatch):
+    normalise = kernels.normalise_kernel
+
+    class OffByOne:
+        def __getitem__(self, grid):
+            def launch(x, output, *args, **kwargs):
+                normalise[grid](x, output, *args, **kwargs)
+                output.add_(1.0)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "normalise_kernel", OffByOne())
+    with pytest.warns(RuntimeWarning, match="differ from the eager reference in y"):
+        assert not fresh_self_check(torch.device(DEVICE))
+
+
 def _fused_sync_worker(rank: int, world_size: int, case: Case) -> dict:
     _fused_everywhere()
     return sync_worker(rank, world_size, case)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from parallel.batchnorm.syncbn_function import check_global_count
+from parallel.batchnorm.syncbn_function import check_global_count, sync_batch_norm
 from parallel.torch_compat import all_gather_single
 
 __all__ = ["FusedSyncBatchNorm", "handles"]
@@ -54,8 +55,47 @@ def _triton_kernels() -> ModuleType | None:
 
 
 def handles(x: Tensor) -> bool:
-    """Whether :class:`FusedSyncBatchNorm` runs ``x``: a CUDA floating-point input, with Triton installed."""
-    return x.device.type == "cuda" and x.dtype in _DTYPES and _triton_kernels() is not None
+    """Whether :class:`FusedSyncBatchNorm` runs ``x``: a CUDA floating-point input, with Triton installed and the
+    kernels passing :func:`self_check` on its device."""
+    return x.device.type == "cuda" and x.dtype in _DTYPES and _triton_kernels() is not None and self_check(x.device)
+
+
+@functools.cache
+def self_check(device: torch.device) -> bool:
+    """Whether the kernels compile and match the eager reference on ``device``: checked once per device, before any
+    collective (a kernel failing in the middle of a layer's collectives would leave its peers waiting). If not,
+    warns ONCE and the layers run the eager reference there: the same math, slower."""
+    try:
+        problem = _mismatch(device)
+    except Exception as error:  # noqa: BLE001 -- any Triton, compiler or driver failure: the eager path is the same math
+        problem = f"failed: {type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+    if problem is not None:
+        warnings.warn(
+            f"SyncBatchNorm's Triton kernels {problem} (on {device}); running the eager kernel there (same math, "
+            "slower). Please report it with your torch, Triton and GPU versions.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return problem is None
+
+
+def _mismatch(device: torch.device) -> str | None:
+    """What differs between the kernels and the eager reference in one small forward and backward on ``device``."""
+    generator = torch.Generator().manual_seed(0)
+    x, grad, weight, bias = (
+        torch.randn(shape, generator=generator).to(device) for shape in [(6, 3, 4, 4)] * 2 + [3] * 2
+    )
+    results = []
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for run in (FusedSyncBatchNorm.apply, lambda *args: sync_batch_norm(*args, None, None)):
+            leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+            out = run(*leaves, None, None, 0.1, 1e-5, None, 1)
+            out.backward(grad)
+            results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    wrong = [
+        name for name, a, b in zip(("y", "dx", "dw", "db"), *results, strict=True) if not a.allclose(b, 1e-4, 1e-5)
+    ]
+    return f"differ from the eager reference in {', '.join(wrong)}" if wrong else None
 
 
 def _dense(tensor: Tensor) -> Tensor:
