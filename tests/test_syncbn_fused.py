@@ -8,6 +8,12 @@ by patching :func:`parallel.batchnorm.syncbn_fused.handles` (it takes CUDA input
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from syncbn_cases import CASES, Case, assert_matches, reference, sync_worker
@@ -122,6 +128,42 @@ def test_five_kernel_launches_per_training_step(kernels, monkeypatch):
     assert launches == ["moments_kernel", "merge_kernel", "normalise_kernel"]
     out.sum().backward()
     assert launches[3:] == ["grad_sums_kernel", "grad_input_kernel"]
+
+
+# Compiles every kernel for a GPU architecture with Triton's own compiler and ptxas, no GPU needed: bf16 tensors,
+# fp32 statistics, every flag on (what the interpreter cannot tell: that the kernels are valid compiled Triton).
+_COMPILE_FOR = textwrap.dedent("""
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from parallel.batchnorm import triton_kernels
+
+    CONSTANTS = {"BLOCK": 1024, "BLOCK_C": 128}
+    def kind(name):
+        if name in ("x_ptr", "y_ptr", "g_ptr", "dx_ptr"):
+            return "*bf16"
+        return "*fp32" if name.endswith("_ptr") else "fp32" if name in ("momentum", "eps") else "i32"
+    for arch in map(int, sys.argv[1:]):
+        for name in triton_kernels.__all__:
+            fn = getattr(triton_kernels, name)
+            signature = {p.name: "constexpr" if p.is_constexpr else kind(p.name) for p in fn.params}
+            constexprs = {(i,): CONSTANTS.get(p.name, True) for i, p in enumerate(fn.params) if p.is_constexpr}
+            kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+            print(arch, name, len(kernel.asm["cubin"]))
+""")
+
+
+def test_kernels_compile_for_t4_a100_and_h100_gpus_without_one(tmp_path):
+    """sm_75 (T4), sm_80 (A100), sm_90 (H100, H200): ~4 s, in a process where the kernels are not interpreted."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-c", _COMPILE_FOR, "75", "80", "90"]
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [line.split() for line in result.stdout.splitlines()]
+    assert len(compiled) == 15 and all(int(size) > 0 for *_, size in compiled)
 
 
 @pytest.fixture
