@@ -192,4 +192,6 @@ def test_the_layer_takes_the_fused_path_only_for_cuda_inputs(monkeypatch):
     SyncBatchNorm(3, force_sync=True)(torch.randn(4, 3))
     SyncBatchNorm(3, force_sync=True, compile=True)(torch.randn(4, 3))  # compile=True: the compiled set's path
     SyncBatchNorm(3)(torch.randn(4, 3))  # nothing synchronised: torch's native batch norm
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    SyncBatchNorm(3, force_sync=True)(torch.randn(4, 3))  # traced by torch.compile: the eager kernel's ops
     assert len(calls) == 1

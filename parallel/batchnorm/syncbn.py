@@ -144,7 +144,8 @@ class SyncBatchNorm(_BatchNorm):
             output = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps)
         else:
             args = (self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size)
-            if not self.compile_kernel and syncbn_fused.handles(input):  # CUDA: the same math in Triton kernels
+            # CUDA: the same math in Triton kernels; in a model the user compiles, the eager ops, which dynamo traces.
+            if not self.compile_kernel and not torch.compiler.is_compiling() and syncbn_fused.handles(input):
                 output = syncbn_fused.FusedSyncBatchNorm.apply(input, *args)
             else:
                 kernels = COMPILED_KERNELS if self.compile_kernel else None
