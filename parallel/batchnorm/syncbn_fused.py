@@ -42,6 +42,7 @@ __all__ = ["FusedSyncBatchNorm", "handles"]
 _BLOCK = 1024  # positions per program step: 4 KiB of fp32 per load, Triton's usual elementwise block
 _BLOCK_C = 128  # channels per program of the merge
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_CHANNELS = 65_535  # CUDA's limit on a grid's second axis
 
 
 @functools.cache
@@ -55,9 +56,11 @@ def _triton_kernels() -> ModuleType | None:
 
 
 def handles(x: Tensor) -> bool:
-    """Whether :class:`FusedSyncBatchNorm` runs ``x``: a CUDA floating-point input, with Triton installed and the
-    kernels passing :func:`self_check` on its device."""
-    return x.device.type == "cuda" and x.dtype in _DTYPES and _triton_kernels() is not None and self_check(x.device)
+    """Whether :class:`FusedSyncBatchNorm` runs ``x``: a CUDA floating-point input of at most 65,535 channels (the
+    elementwise grid's second axis), with Triton installed and the kernels passing :func:`self_check` there."""
+    if x.device.type != "cuda" or x.dtype not in _DTYPES or x.shape[1] > _MAX_CHANNELS:
+        return False
+    return _triton_kernels() is not None and self_check(x.device)
 
 
 @functools.cache
@@ -118,7 +121,9 @@ def _geometry(tensor: Tensor) -> tuple[int, int, int, int, int]:
 
 
 def _grid(channels: int, positions: int) -> tuple[int, int]:
-    return channels, -(-positions // _BLOCK)
+    """The elementwise kernels' grid: blocks of positions on the first axis (up to 2^31 - 1), channels on the
+    second (up to 65,535)."""
+    return -(-positions // _BLOCK), channels
 
 
 class FusedSyncBatchNorm(torch.autograd.Function):

@@ -6,8 +6,9 @@ how the tests check them without a GPU).
 
 The input is seen as ``(N, C, S)`` with strides ``(stride_n, stride_c, stride_s)``: the spatial dimensions of a
 contiguous or a channels_last tensor merge into one (the caller checks that they do), so both memory formats
-run in place. Programs are laid out per channel (reductions: one program per channel) or per channel and block
-of ``N * S`` positions (elementwise passes). Arithmetic runs in the statistics buffer's dtype (fp32 at least,
+run in place. Programs are laid out per channel (reductions: one program per channel, as torch's NCHW statistics kernel
+has one block per channel) or per block of ``N * S`` positions and channel (elementwise passes: the blocks on
+the grid's first axis, which has no 65,535 limit). Arithmetic runs in the statistics buffer's dtype (fp32 at least,
 as in the eager reference); loads of a bf16/fp16 input widen, stores narrow.
 
 =========== ====================================================================================
@@ -149,8 +150,8 @@ def normalise_kernel(
     x_ptr, y_ptr, own_ptr, params_ptr, total, S, stride_n, stride_c, stride_s, C, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``y = (x - m0) * scale + shift`` (``y`` has ``x``'s strides); programs per (channel, block)."""
-    channel = tl.program_id(0)
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    channel = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = params_ptr.dtype.element_ty
     x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
     own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
@@ -199,8 +200,8 @@ def grad_input_kernel(
 ):  # fmt: skip
     """``dL/dx = g * scale + (x - mu) * coef_xmu + coef_const`` with the global sums (``dx`` has ``x``'s strides):
     ``coef_const = -scale sum(g) / n``, ``coef_xmu = -scale invstd^2 sum(g (x - mu)) / n``."""
-    channel = tl.program_id(0)
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    channel = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = params_ptr.dtype.element_ty
     own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
     offset = tl.load(params_ptr + C + channel)
