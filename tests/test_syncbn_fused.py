@@ -184,6 +184,23 @@ def test_ranks_match_torch_batch_norm_on_the_global_batch(tmp_path, case):
     assert_matches(results, reference(case), atol=2e-5, rtol=1e-4)
 
 
+def _mixed_worker(rank: int, world_size: int, case: Case) -> dict:
+    if rank == 0:  # rank 0 on the Triton kernels, the others on the eager kernel (a GPU whose self-check failed)
+        _fused_everywhere()
+    return sync_worker(rank, world_size, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on CPU tensors: the interpreted kernels")
+@pytest.mark.parametrize("name", ["4d-conv", "empty-middle-3ranks"])
+def test_ranks_on_the_triton_and_the_eager_kernel_work_together(tmp_path, name):
+    """Both send the same rows ([count, mean, M2]) and sums: a rank that fell back to the eager kernel still matches."""
+    case = CASES[name]
+    results = run_workers(_mixed_worker, len(case.sizes), args=(case,), init_file=tmp_path / "store", timeout_s=120)
+
+    assert_matches(results, reference(case), atol=2e-5, rtol=1e-4)
+
+
 def test_the_layer_takes_the_fused_path_only_for_cuda_inputs(monkeypatch):
     assert not syncbn_fused.handles(torch.randn(2, 3))
     calls = []
