@@ -253,11 +253,11 @@ def write(record: dict[str, Any], out: Path) -> None:
         series = {v["label"]: [row["step_s"].get(k) for row in by_acc.values()] for k, v in variants.items()}
         groups = [f"accumulate {acc}" for acc in by_acc]
         panels.append(Panel(f"{net} net", "optimizer step, ms (median)", groups, series, scale=1e3))
-    where = "2 CPU processes, ddp with local BN on CPU"
-    if cfg.get("accelerator") == "gpu":
-        where = f"{cfg['devices']} GPU, {cfg['precision']}"
-    step_time = (f"step time; {where}", panels)
-    publish(out, record, TITLE.replace("2 CPU processes", where.split(",")[0]), body, {"step_time.png": step_time})
+    processes, detail = "2 CPU processes", "ddp with local BN on CPU"
+    if cfg.get("accelerator") == "gpu":  # compare --device cuda
+        processes, detail = f"{cfg['devices']} GPU", cfg["precision"]
+    step_time = (f"step time; {processes}, {detail}", panels)
+    publish(out, record, TITLE.replace("2 CPU processes", processes), body, {"step_time.png": step_time})
     if curves:  # none with --timing-only
         title = "accuracy runs (last epoch: the one-process test)"
         plot_estimates(out / "curves.png", _curve_panels(curves, variants), title)

@@ -140,10 +140,10 @@ class FusedSyncBatchNorm(torch.autograd.Function):
         # [count, mean, M2 | m0]: the first 2C + 1 values are this rank's row of the all_gather.
         stats = x.new_empty(3 * channels + 1, dtype=torch.promote_types(x.dtype, torch.float32))
         kernels.moments_kernel[(channels,)](x, stats, *geometry, channels, BLOCK=_BLOCK)
+        row = stats[: 2 * channels + 1]
         if group is None:
-            gathered, world_size = stats[: 2 * channels + 1], 1
+            gathered, world_size = row, 1
         else:
-            row = stats[: 2 * channels + 1]
             gathered = stats.new_empty(world_size * row.numel())
             all_gather_single(gathered, row, group=group)
         local_count = geometry[0]
