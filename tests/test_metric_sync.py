@@ -20,6 +20,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 from collectives.launcher import run_workers
 from conformance.patterns import MeanStateMetric
 from measure.collective_count import count_collectives
+from parallel.evaluation.eval_sharding import ShardPlan, broadcast_count, scatter_shard_indices
 from parallel.evaluation.metric_sync import MetricSync, merge_kinds
 from parallel.evaluation.uneven_gather import (
     UnevenGatherError,
@@ -52,7 +53,7 @@ def _update(metrics: list, logits: torch.Tensor, labels: torch.Tensor, scores: t
     metrics[1].update(scores)
     metrics[2].update(scores)
     metrics[3].update(scores)
-    metrics[4].update(scores, (labels > 0).long())
+    metrics[4].update(scores, (labels > 1).long())  # 7 positives, 4 negatives
 
 
 def _batches(part: slice):
@@ -106,6 +107,60 @@ def test_sum_max_min_and_cat_states_equal_one_process_in_four_collectives(tmp_pa
         assert result["local"] == pytest.approx([float(m.compute()) for m in shard[:5]])
 
 
+def _scatter_and_sync_worker(rank: int, world_size: int, device: str, collective_device: str) -> dict:
+    """Scatter evaluation's two steps as the strategy runs them: rank 0 scatters the sample indices (through
+    ``collective_device``), each rank updates metrics that live on ``device``, one merge."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: both ranks on it
+    order = list(range(11)) if rank == 0 else None
+    count = broadcast_count(None if order is None else len(order), device=collective_device)
+    plan = ShardPlan.decide(count, world_size, batch_size=4)
+    shards = None if order is None else plan.shards(order)
+    indices = scatter_shard_indices(shards, plan.lengths, device=collective_device)
+    logits, labels, scores = (t.to(device) for t in _data())
+    metrics = [metric.to(device) for metric in _metrics()]
+    sync = MetricSync(device=collective_device)
+    sync.begin(metrics)
+    for start in range(0, len(indices), 4):
+        batch = torch.tensor(indices[start : start + 4], device=device)
+        _update(metrics, logits[batch], labels[batch], scores[batch])
+    sync.set_ready(True)
+    computed = [metric.compute() for metric in metrics[:5]]
+    sync.end()
+    return {"indices": indices, "values": [float(v) for v in computed], "devices": {v.device.type for v in computed}}
+
+
+@pytest.mark.parametrize(
+    "device, collective_device, backend",
+    [
+        ("cpu", "cpu", "gloo"),
+        pytest.param(
+            "cuda",
+            "cpu",
+            "gloo",  # two ranks sharing one GPU: gloo stages through the host, as the strategy does under gloo
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+        pytest.param(
+            "cuda",
+            "cuda",
+            "nccl",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")],
+        ),
+    ],
+)
+def test_scattered_shards_and_merged_metrics_equal_one_process_on_every_device(
+    tmp_path, device: str, collective_device: str, backend: str
+) -> None:
+    # spawn on CUDA: a forked child cannot initialise CUDA once the parent has.
+    start_method = "spawn" if device == "cuda" else "fork"
+    kwargs = {"init_file": tmp_path / "store", "backend": backend, "start_method": start_method, "timeout_s": 120}
+    results = run_workers(_scatter_and_sync_worker, 2, args=(device, collective_device), **kwargs)
+    assert [result["indices"] for result in results] == [list(range(6)), list(range(6, 11))]
+    for result in results:
+        assert result["values"] == pytest.approx(_reference(), rel=1e-6, abs=1e-7)
+        assert result["devices"] == {device}  # the merged values come back where the metric lives
+
+
 class _IntCat(Metric):
     """A list state of int64 values, concatenated across ranks."""
 
@@ -156,7 +211,7 @@ def test_empty_ranks_exact_integers_local_metrics_and_unmergeable_states(tmp_pat
 def _retrieval_worker(rank: int, world_size: int) -> tuple[float, Counter]:
     scores, labels, queries = (
         torch.rand(11, generator=torch.Generator().manual_seed(1)),
-        _data()[1] > 0,
+        _data()[1] > 1,
         torch.arange(11) // 3,
     )
     metric = RetrievalMAP()
@@ -175,7 +230,7 @@ def test_list_states_of_retrieval_metrics_with_different_update_counts_per_rank(
     # torchmetrics' own sync would issue one gather per update: 3 on rank 0, 1 on rank 1 (a hang)
     reference = RetrievalMAP()
     reference.update(
-        torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 0, indexes=torch.arange(11) // 3
+        torch.rand(11, generator=torch.Generator().manual_seed(1)), _data()[1] > 1, indexes=torch.arange(11) // 3
     )
     for value, collectives in run_workers(_retrieval_worker, 2, init_file=tmp_path / "store"):
         assert value == pytest.approx(float(reference.compute()), rel=1e-6)
