@@ -23,7 +23,7 @@ status=0
   > "$out/machine.txt" 2>&1
 if [ "$device" = cuda ]; then  # the tests that need a GPU (skipped, so absent, without one)
   python -m pytest -m gpu -n 0 -p no:cacheprovider -q -rs tests/test_custom_ddp.py tests/test_grad_sync.py \
-    tests/test_syncbn_distributed.py > "$out/gpu_tests.txt" 2>&1 || status=1
+    tests/test_syncbn_distributed.py tests/test_metric_sync.py > "$out/gpu_tests.txt" 2>&1 || status=1
   python -m pytest -n 0 -p no:cacheprovider -q -m "not distributed" tests/test_syncbn_fused.py \
     >> "$out/gpu_tests.txt" 2>&1 || status=1
 fi
