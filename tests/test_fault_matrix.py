@@ -1,12 +1,10 @@
 """The fault matrix on a real 2-rank fit (popen launcher, real signals from outside, 30 s timeouts).
 
-The default run keeps four rows (about 2 minutes): an endless loop on rank 1 and a SIGSTOP'd rank 0,
-the store's host (stalls, ``stall_timeout`` 10 s here, 20 s in the matrix), an exception on rank 1
-under ``torchrun --max-restarts=1``, and an exception on rank 1 after its forward in the second
-micro-batch of an accumulation window, resumed from rank 0's checkpoint and compared bitwise with an
-uninterrupted run (the fit has dropout: the checkpoint must hold every rank's generators). Every row,
-with a resume from each checkpoint and the restart rows' final weights compared with an uninterrupted
-run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py`` (about 9 minutes on 2 cores).
+The default run keeps two rows (about 1 minute): a SIGSTOP'd rank 0, the store's host (a stall,
+``stall_timeout`` 10 s here, 20 s in the matrix), and an exception on rank 1 under ``torchrun
+--max-restarts=1``. Every row, with a resume from each checkpoint and the restart rows' final
+weights compared with an uninterrupted run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py``
+(about 9 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -167,13 +165,16 @@ def rows_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "name",
     [
-        # With the slow ones: the plain case of mid_window (no accumulation; a fork worker's peer lost writes the
-        # last checkpoint and names the peer: tests/test_worker_exception.py), and the fault in an epoch's first
-        # batch, whose parts are proven faster: the generators kept before the epoch's loader draws
+        # Every row here is slow (three 2-rank fits each, 60 s for mid_window, which kept the default suite over
+        # 5 minutes); their parts run by default, faster: a fork worker whose peer is lost writes the last
+        # checkpoint and names the peer (tests/test_worker_exception.py), that checkpoint holds the buffers and
+        # batch counters of the accumulation window's first micro-batch (tests/test_last_checkpoint.py,
+        # test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step), rank 1's generators come from the
+        # job's store (tests/test_window_generators.py), the generators kept before an epoch's loader draws
         # (tests/test_resume_rng.py, test_the_generators_kept_at_training_start_are_those_a_checkpoint_...) and a
-        # bitwise resume from an epoch's end (test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_...).
+        # bitwise mid-epoch resume (test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_...).
         pytest.param("exception_rank1_after_forward", marks=pytest.mark.slow),
-        "exception_rank1_mid_window",
+        pytest.param("exception_rank1_mid_window", marks=pytest.mark.slow),
         pytest.param("exception_rank1_epoch_start", marks=pytest.mark.slow),
     ],
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +50,14 @@ REFERENCE = ("ddp_fork", None)
 # step more, each worker unsharing its module's memory, which test_forkserver_workers_own_their_weights checks in
 # one process: its run is slow-marked too. The fork name's run is slow as well: every stage of custom_ddp under fork
 # is what most distributed tests run (tests/test_conformance_eval.py validates, tests and predicts against one
-# process; the training conformance fits), and its name is the class with fork (the test named above). Two runs by
-# default: popen (Lightning's default, a script re-run) and spawn (pickling), which no other test starts from a name.
+# process; the training conformance fits), and its name is the class with fork (the test named above). The spawn
+# name's run (40-55 s: spawned workers import everything afresh at every stage) is slow too: what spawn adds to fork
+# is the pickling of the trainer with its strategy and launcher into each new process, which
+# test_spawn_pickles_the_trainer_with_its_strategy_and_launcher checks in one process. One run by default: popen
+# (Lightning's default, a script re-run), which no other test starts from a name.
 _SLOW_RUNS = (
     "custom_ddp_fork",
+    "custom_ddp_spawn",
     *(f"CustomDDPStrategy(start_method={method})" for method in ("popen", "fork", "spawn")),
     "CustomDDPStrategy(start_method=forkserver)",
 )
@@ -130,6 +135,37 @@ def test_each_name_and_start_method_runs_every_stage_as_ddp(name: str, tmp_path:
 def test_lightning_ddp_computes_the_same_under_every_start_method(start: tuple, tmp_path: Path, ddp_result: dict):
     """Why one reference run serves every start method above."""
     _assert_same_results(_run(tmp_path, *start, reference=True), ddp_result, f"{start} vs {REFERENCE[0]}")
+
+
+class _Launched(Exception):
+    """Raised by the stand-in for ``torch.multiprocessing.start_processes`` once it has pickled what spawn sends."""
+
+
+def test_spawn_pickles_the_trainer_with_its_strategy_and_launcher(monkeypatch, tmp_path: Path) -> None:
+    """What ``custom_ddp_spawn`` sends each new process at launch, pickled as spawn pickles it (in this process: a
+    closure or a lock on the strategy fails here; the end-to-end spawn run above is slow)."""
+    from multiprocessing.reduction import ForkingPickler  # with torch.multiprocessing's tensor reductions
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    sent: list[bytes] = []
+
+    def start_processes(function: Any, args: tuple, nprocs: int, start_method: str, **kwargs: Any) -> None:
+        assert (nprocs, start_method) == (2, "spawn")
+        # args: trainer, stage function, its arguments and kwargs, multiprocessing's own result queue (which pickles
+        # only while a process starts), Lightning's snapshot of global state
+        sent.append(bytes(ForkingPickler.dumps((function, args[:4] + args[5:]))))
+        raise _Launched
+
+    monkeypatch.setattr("torch.multiprocessing.start_processes", start_processes)
+    options = dict(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(strategy="custom_ddp_spawn", accelerator="cpu", devices=2, default_root_dir=tmp_path, **options)
+    with pytest.raises(_Launched):
+        trainer.fit(BoringModel())
+    function, (received, *_) = pickle.loads(sent[0])
+    assert isinstance(received.strategy, CustomDDPStrategy) and received.strategy.launcher is not None
+    assert function.__self__._start_method == "spawn"  # the launcher's _wrapping_function, bound
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
