@@ -18,7 +18,7 @@ from torch import nn
 from collectives.launcher import run_workers
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.host import host_reduce
-from parallel.host.host_reduce import SHM_DIR, SharedMemoryAllReduce, open_shared_memory_all_reduce
+from parallel.host.host_reduce import SharedMemoryAllReduce, open_shared_memory_all_reduce
 from parallel.sync_config import GradSyncConfig
 from strategies.fault_tolerance.exit_causes import is_peer_loss
 
@@ -40,7 +40,6 @@ def _keep_gloo_barriers_if(forced: bool) -> None:
 
 
 def _sum_both_ways(rank: int, world_size: int, barrier: str) -> dict:
-    before = set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*")))  # other runs' are not this test's business
     _keep_gloo_barriers_if(barrier == "gloo")
     host = SharedMemoryAllReduce()
     shared = host.allocate(_SIZES)
@@ -55,7 +54,8 @@ def _sum_both_ways(rank: int, world_size: int, barrier: str) -> dict:
         future = host.all_reduce(every)
     future.wait()
     host.close()
-    leftovers = sorted(set(glob.glob(os.path.join(SHM_DIR, "lit_cifar-*"))) - before)
+    # This object's files only: tests running beside this one create and unlink their own meanwhile.
+    leftovers = sorted(glob.glob(f"{host._prefix}*"))
     return {
         "zeroed": zeroed,
         "shm": [every[rank].clone() for every in shared],
