@@ -62,8 +62,8 @@ _SLOW_RUNS = (
     "CustomDDPStrategy(start_method=forkserver)",
 )
 # Spawned workers import everything afresh at every stage (~7 s of CPU each on 2 cores): the registered spawn
-# name fits and predicts by default; its validate and test, the same launcher's pickling as its fit and predict,
-# run in the slow class-with-spawn run (and validate/test of the strategy under every other name).
+# name only fits and predicts; its validate and test, the same launcher's pickling as its fit and predict, run in
+# the class-with-spawn run (and validate/test of the strategy under every other name).
 _FIT_AND_PREDICT_ONLY = ("custom_ddp_spawn",)
 # gloo in a spawned worker of Lightning's ddp_spawn often aborts at exit after the stage finished
 # ("terminate called without an active exception", SIGABRT; 3 of 8 runs of the script on a quiet
