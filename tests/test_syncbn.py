@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.plugins import LayerSync
 from torch import nn
 
+from parallel.batchnorm import syncbn_kernels
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.torch_compat import make_norm
 from strategies.training.layer_sync import CustomSyncBatchNorm
@@ -84,6 +85,43 @@ def test_channels_last_input_gives_channels_last_output_and_grad(path):
     out.backward(torch.randn_like(out))
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize(
+    ("shape", "channels_last", "dtype", "offset"),
+    [
+        ((5, 3, 6), False, torch.float32, 3.0),
+        ((6, 4, 3, 5), True, torch.float32, 3.0),
+        ((6, 4, 3, 5), False, torch.bfloat16, 3.0),
+        ((6, 4, 3, 5), False, torch.float32, 1e4),
+        ((3, 2, 2, 3, 4), False, torch.float64, 3.0),
+    ],
+    ids=["3d", "4d-channels-last", "4d-bf16", "4d-offset-1e4", "5d-fp64"],
+)
+def test_large_inputs_in_row_blocks_match_the_whole_tensor_passes(monkeypatch, shape, channels_last, dtype, offset):
+    """Large CPU inputs run the kernel's passes in row blocks (syncbn_kernels.BLOCKED_MIN_BYTES), forced here on
+    small ones with blocks of one row: the same output, gradients and running statistics as whole-tensor passes."""
+    generator = torch.Generator().manual_seed(0)
+    x = (offset + torch.randn(shape, generator=generator, dtype=torch.float64)).to(dtype)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    grad = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    whole, blocked = (SyncBatchNorm(shape[1], force_sync=True).to(dtype) for _ in range(2))
+    for layer in (whole, blocked):
+        with torch.no_grad():
+            layer.weight.copy_(torch.linspace(0.5, 1.5, shape[1]))
+    expected = _step(whole, x, grad)
+    calls = []
+    monkeypatch.setattr(syncbn_kernels, "BLOCKED_MIN_BYTES", 0)
+    monkeypatch.setattr(syncbn_kernels, "CPU_BLOCK_BYTES", 1)
+    centred_sums = syncbn_kernels._centred_sums
+    monkeypatch.setattr(syncbn_kernels, "_centred_sums", lambda *args: calls.append(1) or centred_sums(*args))
+    got = _step(blocked, x, grad)
+    assert len(calls) == 2  # the forward's moments and the backward's sums
+    for actual, wanted in zip(got, expected, strict=True):
+        torch.testing.assert_close(actual, wanted)
+    assert got[0].is_contiguous(memory_format=torch.channels_last) == channels_last
+    torch.testing.assert_close(blocked.state_dict(), whole.state_dict())
+    torch.testing.assert_close(blocked.weight.grad, whole.weight.grad)
 
 
 def test_saves_only_the_input_and_per_channel_vectors_for_backward():

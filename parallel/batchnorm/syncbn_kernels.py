@@ -10,10 +10,11 @@ memory-bound: the forward makes 6 passes over x-sized memory (mean of x; ``buf =
 and sum of squares of ``buf``; scale and shift in place), the backward 6 (``x - mu``; sum of g;
 sum of g (x - mu); the folded ``dL/dx = a * g + b * (x - mu) + c`` in three in-place passes),
 each direction allocating ONE x-sized buffer (the output, ``dL/dx``), as torch's kernel does:
-fresh large buffers cost page faults on CPU. Small inputs are dispatch-bound (~1 us per torch op
-called from Python, ~2 us when a Python number must become a tensor operand): 1/n factors ride
-in ``alpha=`` / ``value=`` arguments, and 2-D inputs broadcast (C,) vectors without views and
-scale-and-shift in one ``addcmul``.
+fresh large buffers cost page faults on CPU. Large CPU inputs (:data:`BLOCKED_MIN_BYTES`) run each
+pass in row blocks that stay in L2 between its ops: 3 passes over memory forward, 2 backward.
+Small inputs are dispatch-bound (~1 us per torch op called from Python, ~2 us when a Python
+number must become a tensor operand): 1/n factors ride in ``alpha=`` / ``value=`` arguments,
+and 2-D inputs broadcast (C,) vectors without views and scale-and-shift in one ``addcmul``.
 
 :func:`compiled_kernels` writes each pass as one plain function of tensors and compiles it with
 ``torch.compile`` (inductor: fused C++ loops on CPU, Triton on CUDA): 2 reads of x forward
@@ -77,9 +78,12 @@ def _eager_moments(x: Tensor, local_count: int) -> tuple[Tensor, Tensor, Tensor,
         approx_mean = x.mean(dims, dtype=acc_dtype)
     else:  # an empty shard: mean() would be NaN, and the gather would spread it
         approx_mean = x.new_zeros(x.shape[1], dtype=acc_dtype)
-    buf = x - _per_channel(approx_mean, x)  # type promotion: fp32 at least
-    sum_buf = buf.sum(dims)
-    m2 = torch.addcmul(_sum_of_products(buf, buf), sum_buf, sum_buf, value=-1.0 / max(local_count, 1))
+    if _blocked(x):
+        buf, sum_buf, sum_squares = _centred_sums(x, approx_mean, None)
+    else:
+        buf = x - _per_channel(approx_mean, x)  # type promotion: fp32 at least
+        sum_buf, sum_squares = buf.sum(dims), _sum_of_products(buf, buf)
+    m2 = torch.addcmul(sum_squares, sum_buf, sum_buf, value=-1.0 / max(local_count, 1))
     return buf, approx_mean, sum_buf, m2.clamp_min_(0)
 
 
@@ -91,17 +95,54 @@ def _eager_normalise(buf: Tensor, approx_mean: Tensor, scale: Tensor, shift: Ten
 def _eager_backward_sums(x: Tensor, grad_out: Tensor, mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's one x-sized buffer (fp32 at least, by type promotion): ``x - mu``, which
     becomes dL/dx in place; ``sum(g)`` and ``sum(g * (x - mu))``."""
+    if _blocked(x):
+        return _centred_sums(x, mean, grad_out)
     buf = x - _per_channel(mean, x)
     return buf, grad_out.sum(_reduce_dims(x), dtype=mean.dtype), _sum_of_products(buf, grad_out)
 
 
 def _eager_input_grad(buf: Tensor, grad_out: Tensor, mean: Tensor, scale: Tensor, coef_xmu: Tensor, coef_const: Tensor):
-    grad_input = _scale_shift_(buf, coef_xmu, coef_const)
-    return grad_input.addcmul_(grad_out, _per_channel(scale, buf))
+    scale = _per_channel(scale, buf)
+    if not _blocked(buf):
+        return _scale_shift_(buf, coef_xmu, coef_const).addcmul_(grad_out, scale)
+    for rows in _row_blocks(buf, CPU_BLOCK_BYTES):
+        _scale_shift_(buf[rows], coef_xmu, coef_const).addcmul_(grad_out[rows], scale)
+    return buf
 
 
 EAGER_KERNELS = Kernels(lambda x: True, _eager_moments, _eager_normalise, _eager_backward_sums, _eager_input_grad)
 """The readable reference: plain eager torch calls, one x-sized buffer per direction."""
+
+
+# Above this many bytes a CPU input's passes run in row blocks of CPU_BLOCK_BYTES, which stay in L2 between a pass's
+# ops. Below it the per-block calls cost more than they save (informal, 2 processes contending on 2 Zen 3 cores:
+# 8x64x32x32 fp32, 2 MiB, 1.08-1.28x slower blocked; 32x128x32x32 to 128x64x32x32, 16-32 MiB, 0.83-0.94x).
+BLOCKED_MIN_BYTES = 4 << 20
+CPU_BLOCK_BYTES = 1 << 20
+
+
+def _blocked(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dim() > 2 and x.numel() * x.element_size() > BLOCKED_MIN_BYTES
+
+
+def _row_blocks(x: Tensor, block_bytes: int) -> list[slice]:
+    """Slices of dim 0 holding about ``block_bytes`` of ``x`` each (one row at least)."""
+    rows = max(block_bytes * x.shape[0] // max(x.numel() * x.element_size(), 1), 1)
+    return [slice(start, start + rows) for start in range(0, x.shape[0], rows)]
+
+
+def _centred_sums(x: Tensor, centre: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Row block by row block: ``buf = x - centre`` (in ``centre``'s dtype at least), ``sum(o)`` and
+    ``sum(buf * o)``, where ``o`` is ``other``, or ``buf`` itself when ``other`` is None."""
+    dims, centre_view = _reduce_dims(x), _per_channel(centre, x)
+    buf = torch.empty_like(x, dtype=torch.promote_types(x.dtype, centre.dtype))  # x's memory format
+    sums, products = centre.new_zeros(centre.shape), centre.new_zeros(centre.shape)
+    for rows in _row_blocks(buf, CPU_BLOCK_BYTES):
+        block = torch.sub(x[rows], centre_view, out=buf[rows])
+        factor = block if other is None else other[rows]
+        sums.add_(factor.sum(dims, dtype=centre.dtype))
+        products.add_(torch.sum(block * factor, dims))
+    return buf, sums, products
 
 
 def _reduce_dims(x: Tensor) -> int | list[int]:
@@ -119,9 +160,14 @@ def _scale_shift_(buf: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     if buf.dim() == 2:
         # The vectors run along the contiguous dim: one vectorised pass.
         return torch.addcmul(shift, buf, scale, out=buf)
-    # Two in-place passes: an addcmul with two per-channel (stride-0) operands runs
+    # Two in-place ops: an addcmul with two per-channel (stride-0) operands runs
     # unvectorised on CPU, ~5x slower than both of these together.
-    return buf.mul_(_per_channel(scale, buf)).add_(_per_channel(shift, buf))
+    scale, shift = _per_channel(scale, buf), _per_channel(shift, buf)
+    if not _blocked(buf):
+        return buf.mul_(scale).add_(shift)
+    for rows in _row_blocks(buf, CPU_BLOCK_BYTES):
+        buf[rows].mul_(scale).add_(shift)
+    return buf
 
 
 def _sum_of_products(a: Tensor, b: Tensor) -> Tensor:
@@ -132,14 +178,13 @@ def _sum_of_products(a: Tensor, b: Tensor) -> Tensor:
     fresh-memory page faults and would add a tensor to the peak memory.
     """
     dims = _reduce_dims(a)
-    block_bytes = (1 << 20) if a.device.type == "cpu" else (16 << 20)
-    total_bytes = a.numel() * a.element_size()
-    if total_bytes <= block_bytes:  # the common small case first: two ops, nothing else
+    block_bytes = CPU_BLOCK_BYTES if a.device.type == "cpu" else (16 << 20)
+    if a.numel() * a.element_size() <= block_bytes:  # the common small case first: two ops, nothing else
         return torch.sum(a * b, dims)
-    rows = max(block_bytes * a.shape[0] // total_bytes, 1)
-    total = torch.sum(a[:rows] * b[:rows], dims)
-    for start in range(rows, a.shape[0], rows):
-        total.add_(torch.sum(a[start : start + rows] * b[start : start + rows], dims))
+    first, *rest = _row_blocks(a, block_bytes)
+    total = torch.sum(a[first] * b[first], dims)
+    for rows in rest:
+        total.add_(torch.sum(a[rows] * b[rows], dims))
     return total
 
 
