@@ -122,7 +122,9 @@ CPU_BLOCK_BYTES = 1 << 20
 
 
 def _blocked(x: Tensor) -> bool:
-    return x.device.type == "cpu" and x.dim() > 2 and x.numel() * x.element_size() > BLOCKED_MIN_BYTES
+    # Not inside a model the user compiles: inductor fuses the whole-tensor ops itself.
+    large = x.device.type == "cpu" and x.dim() > 2 and x.numel() * x.element_size() > BLOCKED_MIN_BYTES
+    return large and not torch.compiler.is_compiling()
 
 
 def _row_blocks(x: Tensor, block_bytes: int) -> list[slice]:
