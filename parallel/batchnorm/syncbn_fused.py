@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from parallel.batchnorm.syncbn_function import check_global_count, sync_batch_norm
+from parallel.batchnorm.syncbn_kernels import one_line
 from parallel.torch_compat import all_gather_single
 
 __all__ = ["FusedSyncBatchNorm", "handles"]
@@ -71,7 +72,7 @@ def self_check(device: torch.device) -> bool:
     try:
         problem = _mismatch(device)
     except Exception as error:  # noqa: BLE001 -- any Triton, compiler or driver failure: the eager path is the same math
-        problem = f"failed: {type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        problem = f"failed: {one_line(error)}"
     if problem is not None:
         warnings.warn(
             f"SyncBatchNorm's Triton kernels {problem} (on {device}); running the eager kernel there (same math, "

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["COMPILED_KERNELS", "EAGER_KERNELS", "Kernels", "compiled_kernels"]
+__all__ = ["COMPILED_KERNELS", "EAGER_KERNELS", "Kernels", "compiled_kernels", "one_line"]
 
 
 class Kernels(NamedTuple):
@@ -259,7 +259,7 @@ class _CompiledPass:
         except Exception as error:  # noqa: BLE001 -- any compile failure: eager gives the same result or the real error
             self._failure["error"] = error
             warnings.warn(
-                f"SyncBatchNorm(compile=True): torch.compile failed ({_one_line(error)}); running the "
+                f"SyncBatchNorm(compile=True): torch.compile failed ({one_line(error)}); running the "
                 "same math eagerly (slower, same results)",
                 RuntimeWarning,
                 stacklevel=2,
@@ -267,8 +267,8 @@ class _CompiledPass:
             return self._fn(*args)
 
 
-def _one_line(error: BaseException) -> str:
-    """``Outer <- Root: first line of the root cause`` (dynamo wraps a backend's error)."""
+def one_line(error: BaseException) -> str:
+    """``Outer <- Root: first line of the root cause`` (dynamo wraps a backend's error; Triton a compiler's)."""
     root = error
     while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
         root = inner
