@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from collectives.launcher import run_workers
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.fault_tolerance.desync import _torch_view, enable_desync_check, is_desync_error, own_side, report_desync
+from strategies.fault_tolerance.desync import (
+    _STRATEGIES_DIR,
+    _torch_view,
+    enable_desync_check,
+    is_desync_error,
+    own_side,
+    report_desync,
+)
 
 
 def _user_collective() -> None:
@@ -27,6 +34,20 @@ def test_own_side_names_the_collective_its_tensor_and_the_user_line() -> None:
     side = own_side(caught.value.__traceback__, rank=1)
     assert side.startswith("rank 1: all_reduce(float32[3]) from user code tests/test_desync.py:")
     assert side.endswith("in _user_collective")
+
+
+def test_own_side_passes_over_every_strategy_frame_to_the_user_line() -> None:
+    # A strategy method calling another (scatter evaluation's reduce from the uneven-data reduce): the innermost
+    # names the method, and the line reported as the user's is the first frame outside strategies/.
+    namespace: dict = {"dist": dist}
+    inner, outer = f"{_STRATEGIES_DIR}evaluation/inner.py", f"{_STRATEGIES_DIR}training/outer.py"
+    exec(compile("def reduce(t):\n    dist.all_reduce(t, op='not an op')\n", inner, "exec"), namespace)
+    exec(compile("def forward(t):\n    reduce(t)\n", outer, "exec"), namespace)
+    with pytest.raises((RuntimeError, TypeError, ValueError)) as caught:
+        namespace["forward"](torch.zeros(3))
+    side = own_side(caught.value.__traceback__, rank=0)
+    assert "from strategy.reduce (evaluation/inner.py:2) from user code tests/test_desync.py:" in side, side
+    assert side.endswith("in test_own_side_passes_over_every_strategy_frame_to_the_user_line"), side
 
 
 def test_only_torchs_mismatch_report_counts_as_a_desync() -> None:

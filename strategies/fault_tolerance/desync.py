@@ -31,6 +31,7 @@ import logging
 import re
 import time
 import traceback
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -67,6 +68,7 @@ _COLLECTIVES = {
     "monitored_barrier",
 }
 _TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "object_list", "obj", "scatter_list")
+_STRATEGIES_DIR = Path(__file__).resolve().parents[1].as_posix() + "/"  # this project's strategies/ package
 # Project files whose collectives have a name, by (path part, function) -> source; "" matches any function.
 _SOURCES = (
     ("parallel/batchnorm/syncbn_function.py", "backward", "SyncBN backward"),
@@ -172,8 +174,9 @@ def _source(frames: list[tuple[FrameType, int]]) -> str:
         for part, function, source in _SOURCES:
             if part in path and (not function or name == function):
                 return f"{source} ({part}:{lineno})"
-        if "/strategies/" in path and not via:
-            via = f"strategy.{name} ({path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{lineno}) from "
+        if Path(path).resolve().as_posix().startswith(_STRATEGIES_DIR):
+            # The innermost strategy frame names the method; the outer ones (a strategy method calling another) pass on.
+            via = via or f"strategy.{name} ({path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{lineno}) from "
             continue
         return f"{via}user code {display_path(path)}:{lineno} in {name}"
     inner = next((f for f, _ in reversed(frames) if "lightning" in f.f_code.co_filename), None)
