@@ -2,8 +2,8 @@
 replaced whole.
 
 The benchmark results and README's headline (:mod:`benchmarks.readme_results`), the conformance tables
-(:mod:`conformance.table`, :mod:`conformance.training_table`) and the fault matrix
-(:mod:`conformance.fault_matrix_report`) each own one such block. Pure Python.
+(:mod:`conformance.evaluation.table`, :mod:`conformance.training.table`) and the fault matrix
+(:mod:`conformance.faults.report`) each own one such block. Pure Python.
 """
 
 from __future__ import annotations

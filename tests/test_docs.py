@@ -127,14 +127,16 @@ def test_every_docs_page_links_back_to_the_index_and_the_readme():
 
 def _blocks() -> list[tuple[Path, str, str]]:
     from benchmarks import readme_results
-    from conformance import fault_matrix_report, table, training_table
+    from conformance.evaluation import table as evaluation_table
+    from conformance.faults import report as fault_report
+    from conformance.training import table as training_table
 
     return [
         (readme_results.PAGE, readme_results.BEGIN, readme_results.END),
         (readme_results.README, readme_results.HEADLINE_BEGIN, readme_results.HEADLINE_END),
-        (table.PAGE, table.BEGIN, table.END),
+        (evaluation_table.PAGE, evaluation_table.BEGIN, evaluation_table.END),
         (training_table.PAGE, training_table.BEGIN, training_table.END),
-        (fault_matrix_report.PAGE, fault_matrix_report.BEGIN, fault_matrix_report.END),
+        (fault_report.PAGE, fault_report.BEGIN, fault_report.END),
     ]
 
 

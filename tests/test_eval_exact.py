@@ -1,6 +1,6 @@
 """custom_ddp's evaluation is exact for every metric and gather a user writes (2 CPU ranks, fork + gloo).
 
-11 samples: shards of 6 and 5 under custom_ddp. Every pattern of :mod:`conformance.patterns`
+11 samples: shards of 6 and 5 under custom_ddp. Every pattern of :mod:`conformance.evaluation.patterns`
 is compared with one process evaluating all 11 (floats within 1e-6, counts equal); patterns whose
 result is defined otherwise (a metric made local, a "mean" state) are compared with that definition.
 """
@@ -22,7 +22,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from collectives.launcher import run_workers
-from conformance.patterns import (
+from conformance.evaluation.patterns import (
     NUM_SAMPLES,
     CallbackAUROC,
     IteratorStepsModule,

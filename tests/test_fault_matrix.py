@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance import fault_matrix_report
-from conformance.fault_matrix import DEFAULT_OUT, ROWS, ROWS_BY_NAME, Result, Row, run_row
+from conformance.faults import report
+from conformance.faults.matrix import DEFAULT_OUT, ROWS, ROWS_BY_NAME, Result, Row, run_row
 from strategies.fault_tolerance.stall_watch import STALL_EXIT_STATUS
 
-STALL_TEST_S = 10.0  # stall_timeout of the stall rows run by default (the matrix's record: fault_rows.STALL_S)
+STALL_TEST_S = 10.0  # stall_timeout of the stall rows run by default (the record: faults.rows.STALL_S)
 WITHIN_S = 30.0  # issue 17: every row ends within 30 s of its fault; issue 23: a stall within 30 s of its start
 STALL_SIGNS = {
     "SIGSTOP": "no answer: process stopped or frozen",
@@ -116,7 +116,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
     if row.fault == "rank_collective" and row.desync_check:
         message = result.message
         assert "desync check" in message and "rank 0: barrier() from strategy.reduce" in message, message
-        assert "fault_fit.py" in message and "rank 1: all_reduce(float32[16]) from SyncBN backward" in message
+        assert "faults/fit.py" in message and "rank 1: all_reduce(float32[16]) from SyncBN backward" in message
         assert result.seconds_to_exit is not None and result.seconds_to_exit < 5.0, result
     if row.fault == "rank_collective" and not row.desync_check:
         assert result.seconds_to_exit is not None and result.seconds_to_exit >= row.timeout_s - 1, result
@@ -157,7 +157,7 @@ def test_fault_matrix_short(tmp_path: Path, name: str) -> None:
 @pytest.fixture(scope="module")
 def rows_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One folder for the resumed rows: the uninterrupted fit each is compared with runs once per accumulation
-    setting (conformance.fault_matrix.same_as_uninterrupted), as in the full matrix."""
+    setting (conformance.faults.matrix.same_as_uninterrupted), as in the full matrix."""
     return tmp_path_factory.mktemp("fault_rows")
 
 
@@ -204,8 +204,8 @@ def test_fault_matrix_row(tmp_path: Path, row: Row) -> None:
 
 def test_readme_fault_table_is_generated_from_the_committed_results() -> None:
     record = json.loads((DEFAULT_OUT / "results.json").read_text())
-    current, fresh = fault_matrix_report.update_readme(record)
+    current, fresh = report.update_readme(record)
     assert current == fresh, (
-        "docs/stopping-and-resuming.md's fault table is stale: run python -m conformance.fault_matrix_report --write "
-        "(or python -m conformance.fault_matrix)"
+        "docs/stopping-and-resuming.md's fault table is stale: run python -m conformance.faults.report --write "
+        "(or python -m conformance.faults.matrix)"
     )

@@ -18,7 +18,7 @@ from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
 
 from collectives.launcher import run_workers
-from conformance.patterns import MeanStateMetric
+from conformance.evaluation.patterns import MeanStateMetric
 from measure.collective_count import count_collectives
 from parallel.evaluation.eval_sharding import ShardPlan, broadcast_count, scatter_shard_indices
 from parallel.evaluation.metric_sync import MetricSync, merge_kinds

@@ -128,21 +128,22 @@ def test_missing_markers_are_a_clear_error(tmp_path):
 
 
 def test_readme_conformance_table_matches_its_record():
-    from conformance.table import DEFAULT_OUT, update_readme
+    from conformance.evaluation.table import DEFAULT_OUT, update_readme
 
     current, fresh = update_readme(json.loads((DEFAULT_OUT / "results.json").read_text()))
-    assert current == fresh, "docs/evaluation.md's conformance table is stale: run python -m conformance.table"
+    stale = "docs/evaluation.md's conformance table is stale: run python -m conformance.evaluation.table"
+    assert current == fresh, stale
 
 
 def test_readme_training_conformance_table_matches_its_record():
-    from conformance.table import update_readme
-    from conformance.training_table import BEGIN, DEFAULT_OUT, END, PAGE, render
+    from conformance.evaluation.table import update_readme
+    from conformance.training.table import BEGIN, DEFAULT_OUT, END, PAGE, render
 
     current, fresh = update_readme(
         json.loads((DEFAULT_OUT / "results.json").read_text()), PAGE, render_record=render, begin=BEGIN, end=END
     )
     assert current == fresh, (
-        "docs/training-conformance.md's training table is stale: run python -m conformance.training_table"
+        "docs/training-conformance.md's training table is stale: run python -m conformance.training.table"
     )
 
 

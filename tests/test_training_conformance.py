@@ -1,9 +1,9 @@
-"""Training conformance: every pattern of ``conformance.training_patterns`` gives its truth under ``custom_ddp``.
+"""Training conformance: every pattern of ``conformance.training.patterns`` gives its truth under ``custom_ddp``.
 
 2 CPU ranks (fork + gloo). The truth is one process on the global batch, or Lightning's ``ddp``
 (rank 0's state: what its checkpoint holds) where per-rank state is part of the pattern. Every rank
 of ``custom_ddp`` must hold that state (within float rounding) and the ranks must agree bitwise.
-The same runs generate the training table of docs/training-conformance.md (``python -m conformance.training_table``).
+The same runs generate the training table of docs/training-conformance.md (``python -m conformance.training.table``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.training_patterns import PATTERNS
-from conformance.training_runs import compare, fit_pattern
+from conformance.training.patterns import PATTERNS
+from conformance.training.runs import compare, fit_pattern
 
 pytestmark = pytest.mark.distributed
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}

@@ -1,7 +1,8 @@
 """Uneven data per rank under ``custom_ddp`` (2 CPU ranks, fork + gloo): training joins and equals one process
 on the union of each step's batches; evaluation equals one process on the union of the ranks' samples;
 the refusing option and manual optimization end every rank with the batch counts. The rows of the
-conformance tables run the same patterns (``conformance.uneven_patterns``, ``conformance.uneven_evaluation``)."""
+conformance tables run the same patterns (``conformance.training.uneven_patterns``,
+``conformance.evaluation.uneven``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import torch
 from conformance_harness import make_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from conformance.table import uneven_values
-from conformance.training_patterns import ManualOptimization
-from conformance.training_runs import compare, fit_pattern
-from conformance.uneven_patterns import UNEVEN_PATTERNS, UnevenTraining
+from conformance.evaluation.table import uneven_values
+from conformance.training.patterns import ManualOptimization
+from conformance.training.runs import compare, fit_pattern
+from conformance.training.uneven_patterns import UNEVEN_PATTERNS, UnevenTraining
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.stopping.stop_signals import StopOnSignal
 

@@ -1,12 +1,12 @@
 """Conformance table: each evaluation pattern under 1 process, Lightning's ``ddp`` and ``custom_ddp``.
 
-Runs the patterns of :mod:`conformance.patterns` on 11 samples (2 CPU ranks, fork + gloo,
+Runs the patterns of :mod:`conformance.evaluation.patterns` on 11 samples (2 CPU ranks, fork + gloo,
 batches of 4) and writes ``results.json`` + ``results.md`` and the block of ``docs/evaluation.md`` (``PAGE``)
 between ``<!-- conformance:begin -->`` and ``<!-- conformance:end -->``. Values are what rank 0 logged.
 A value of ``custom_ddp`` or ``ddp`` that differs from one process by more than 1e-6 is marked ≠::
 
-    python -m conformance.table                  # about a minute on 2 cores
-    python -m conformance.table --out /tmp/x     # elsewhere; the page untouched
+    python -m conformance.evaluation.table                  # about a minute on 2 cores
+    python -m conformance.evaluation.table --out /tmp/x     # elsewhere; the page untouched
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from benchmarks.readme_block import replace_block
-from conformance.patterns import (
+from conformance.evaluation.patterns import (
     CallbackAUROC,
     IteratorStepsModule,
     PatternModule,
     ValidateInsideFit,
     VariableWidthGather,
 )
-from conformance.uneven_evaluation import UnevenShards
+from conformance.evaluation.uneven import UnevenShards
 from measure.run_info import environment
 from strategies.custom_ddp import CustomDDPStrategy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "evaluation"
 PAGE = REPO_ROOT / "docs" / "evaluation.md"  # the manual's page that holds the table
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {setting: _patterns(setting, Path(work)) for setting in SETTINGS}
     keys = list(runs["one_process"])
     rows = [{"key": key, "pattern": _label(key), **{s: runs[s].get(key) for s in SETTINGS}} for key in keys]
-    record = {"command": "python -m conformance.table", "environment": environment(), "rows": rows}
+    record = {"command": "python -m conformance.evaluation.table", "environment": environment(), "rows": rows}
     write_tables(record, args.out, DEFAULT_OUT, "Evaluation conformance")
     return 0
 

@@ -1,10 +1,10 @@
 """A small real ``custom_ddp`` fit on 2 CPU processes that the fault matrix injects faults into.
 
-Started as ``python -m conformance.fault_fit --out DIR ...`` (rank 0; Lightning's popen launcher
+Started as ``python -m conformance.faults.fit --out DIR ...`` (rank 0; Lightning's popen launcher
 re-runs the command for rank 1). Every rank appends JSON lines to ``DIR/events_rank<r>.jsonl``:
 ``start`` (pid), ``train_batch`` / ``val_batch`` (epoch, batch, global step), ``ckpt_save``,
 ``fault`` (an injected exception or rank-only collective, just before it happens) and ``exit``
-(the exit code, or the error type). :mod:`conformance.fault_matrix` reads them to time the faults
+(the exit code, or the error type). :mod:`conformance.faults.matrix` reads them to time the faults
 it sends from outside (signals) and to find the ranks' process ids.
 
 Faults the script injects itself (``RANK:EPOCH:BATCH``): ``--raise_at`` raises on that rank only

@@ -1,4 +1,4 @@
-"""Training patterns around the optimizer step (:mod:`conformance.training_patterns`): an optimizer that
+"""Training patterns around the optimizer step (:mod:`conformance.training.patterns`): an optimizer that
 runs its closure several times per step, and Lightning's documented gradient-norm logging with
 clipping by value.
 """
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
-from conformance.training_base import TrainingPattern, mlp
+from conformance.training.base import TrainingPattern, mlp
 
 __all__ = ["GradNormLoggedClipByValue", "LBFGSClosure"]
 

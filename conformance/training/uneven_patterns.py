@@ -1,4 +1,4 @@
-"""Training patterns with uneven data per rank (:mod:`conformance.training_patterns`): each rank's
+"""Training patterns with uneven data per rank (:mod:`conformance.training.patterns`): each rank's
 ``IterableDataset`` yields its own number of batches, as streaming data does (or each rank's own
 map-style ``DataLoader``, whose lengths are known).
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from conformance.training_base import BATCH_SIZE, WORLD_SIZE, TrainingPattern, mlp
+from conformance.training.base import BATCH_SIZE, WORLD_SIZE, TrainingPattern, mlp
 
 __all__ = ["UNEVEN_PATTERNS", "UnevenTraining"]
 

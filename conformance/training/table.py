@@ -1,14 +1,14 @@
 """Training conformance table: each training pattern under Lightning's ``ddp`` and ``custom_ddp`` against its truth.
 
-Runs every pattern of :mod:`conformance.training_patterns` (2 CPU ranks, fork + gloo; 32 samples,
+Runs every pattern of :mod:`conformance.training.patterns` (2 CPU ranks, fork + gloo; 32 samples,
 batches of 4 per rank) under its truth (one process on the global batch, ``ddp``'s rank 0, or the same strategy
 uninterrupted), ``ddp`` and ``custom_ddp``, and writes ``results.json`` + ``results.md`` and the block of
 ``docs/training-conformance.md`` (``PAGE``) between ``<!-- training-conformance:begin -->`` and
 ``<!-- training-conformance:end -->``. Each cell: the largest |weight or buffer - truth| over every
 rank, and whether the ranks hold bitwise identical states at the end of ``fit``::
 
-    python -m conformance.training_table                 # a few minutes on 2 cores (torch.compile rows)
-    python -m conformance.training_table --out /tmp/x    # elsewhere; the page untouched
+    python -m conformance.training.table                 # a few minutes on 2 cores (torch.compile rows)
+    python -m conformance.training.table --out /tmp/x    # elsewhere; the page untouched
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from conformance.table import REPO_ROOT, outcome_of, write_tables
-from conformance.training_base import TrainingPattern
-from conformance.training_patterns import PATTERNS
-from conformance.training_runs import compare, fit_pattern
+from conformance.evaluation.table import REPO_ROOT, outcome_of, write_tables
+from conformance.training.base import TrainingPattern
+from conformance.training.patterns import PATTERNS
+from conformance.training.runs import compare, fit_pattern
 from measure.run_info import environment
 
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "training"
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     names = args.only or list(PATTERNS)
     rows = [_row(name, PATTERNS[name]) for name in names]
-    record = {"command": "python -m conformance.training_table", "environment": environment(), "rows": rows}
+    record = {"command": "python -m conformance.training.table", "environment": environment(), "rows": rows}
     write_tables(record, args.out, DEFAULT_OUT, "Training conformance", render, BEGIN, END, PAGE)
     return 0
 

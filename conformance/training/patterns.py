@@ -1,10 +1,10 @@
 """Training patterns Lightning users write every day, for the training conformance table and its tests.
 
-Each is a :class:`~conformance.training_base.TrainingPattern` that changes one thing of a small
-regression (:mod:`conformance.training_base` says how the data is sharded and what ``truth`` means);
-the resumed ones are in :mod:`conformance.resume_patterns`, those around the optimizer step in
-:mod:`conformance.optimizer_patterns`, those with uneven data per rank in
-:mod:`conformance.uneven_patterns`. :data:`PATTERNS` names them all.
+Each is a :class:`~conformance.training.base.TrainingPattern` that changes one thing of a small
+regression (:mod:`conformance.training.base` says how the data is sharded and what ``truth`` means);
+the resumed ones are in :mod:`conformance.training.resume_patterns`, those around the optimizer step in
+:mod:`conformance.training.optimizer_patterns`, those with uneven data per rank in
+:mod:`conformance.training.uneven_patterns`. :data:`PATTERNS` names them all.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ from torch import nn
 from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
 
-from conformance.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
-from conformance.resume_patterns import DropoutResumedAtEpochEnd, DropoutResumedMidEpoch, WorkerNoiseResumedAtEpochEnd
-from conformance.training_base import OUTPUTS, TrainingPattern, mlp
-from conformance.uneven_patterns import UNEVEN_PATTERNS
+from conformance.training.base import OUTPUTS, TrainingPattern, mlp
+from conformance.training.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
+from conformance.training.resume_patterns import (
+    DropoutResumedAtEpochEnd,
+    DropoutResumedMidEpoch,
+    WorkerNoiseResumedAtEpochEnd,
+)
+from conformance.training.uneven_patterns import UNEVEN_PATTERNS
 
 __all__ = ["PATTERNS"]
 

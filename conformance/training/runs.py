@@ -1,6 +1,6 @@
 """Run a training pattern under one process, Lightning's ``ddp`` or ``custom_ddp`` and compare its weights.
 
-:func:`fit_pattern` trains one :class:`conformance.training_patterns.TrainingPattern` (2 CPU ranks
+:func:`fit_pattern` trains one :class:`conformance.training.patterns.TrainingPattern` (2 CPU ranks
 started with fork + gloo, or one process on the global batch) and returns what every rank held at
 the end of ``fit``: its ``state_dict`` (parameters and buffers) and the module's ``records``.
 :func:`compare` turns a run and its truth into the table's numbers: the largest absolute weight
@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from conformance.training_base import WORLD_SIZE, TrainingPattern
+from conformance.training.base import WORLD_SIZE, TrainingPattern
 from strategies.custom_ddp import CustomDDPStrategy
 
 __all__ = ["SETTINGS", "compare", "fit_pattern"]

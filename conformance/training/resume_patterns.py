@@ -1,4 +1,4 @@
-"""Training patterns interrupted and resumed from a checkpoint (:mod:`conformance.training_patterns`):
+"""Training patterns interrupted and resumed from a checkpoint (:mod:`conformance.training.patterns`):
 their truth is the same strategy's uninterrupted fit, which a resume repeats only if it repeats every
 rank's random draws.
 """
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conformance.training_base import FEATURES, OUTPUTS, TrainingPattern
+from conformance.training.base import FEATURES, OUTPUTS, TrainingPattern
 
 __all__ = ["DropoutResumedAtEpochEnd", "DropoutResumedMidEpoch", "WorkerNoiseResumedAtEpochEnd"]
 

@@ -1,6 +1,6 @@
 """Fault matrix: signals, a killed rank, a one-rank exception, a rank-only collective, stalls and restarts.
 
-Each row starts :mod:`conformance.fault_fit` (2 CPU ranks, Lightning's popen launcher, collective
+Each row starts :mod:`conformance.faults.fit` (2 CPU ranks, Lightning's popen launcher, collective
 timeout 30 s), injects one fault at a chosen moment and measures, from outside: the time from the
 fault to every rank process gone, each rank's exit status, rank 0's message, whether a checkpoint
 was written after the fault (and at which step), and whether ``fit --ckpt_path`` resumes from it
@@ -15,11 +15,11 @@ forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0'
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
 after the fault, else the newest one before it)::
 
-    python -m conformance.fault_matrix                  # every row (~3 min on 2 cores), the page's block
-    python -m conformance.fault_matrix --rows sigterm_rank1_train --out /tmp/fm   # the page untouched
+    python -m conformance.faults.matrix                  # every row (~3 min on 2 cores), the page's block
+    python -m conformance.faults.matrix --rows sigterm_rank1_train --out /tmp/fm   # the page untouched
 
 Writes ``results.json``, ``results.md`` and the block of ``docs/stopping-and-resuming.md``
-(:mod:`conformance.fault_matrix_report`).
+(:mod:`conformance.faults.report`).
 ``tests/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
 """
 
@@ -40,14 +40,14 @@ from typing import Any
 import torch
 
 from collectives.launcher import without_launch_variables
-from conformance import fault_matrix_report
-from conformance.fault_messages import rank0_message
-from conformance.fault_rows import DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row
+from conformance.faults import report
+from conformance.faults.messages import rank0_message
+from conformance.faults.rows import DEADLINE_S, EPOCHS, HOLD_S, ROWS, ROWS_BY_NAME, STEPS_PER_EPOCH, Result, Row
 from measure.run_info import environment
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "fault_matrix"
-PAGE = fault_matrix_report.PAGE  # the manual's page that holds the table
+PAGE = report.PAGE  # the manual's page that holds the table
 
 
 def _fit_command(out: Path, row: Row | None, ckpt_path: Path | None = None, accumulate: int = 1) -> list[str]:
@@ -55,7 +55,7 @@ def _fit_command(out: Path, row: Row | None, ckpt_path: Path | None = None, accu
     accumulate = row.accumulate if row is not None else accumulate
     fit = [
         "-m",
-        "conformance.fault_fit",
+        "conformance.faults.fit",
         "--out",
         str(out),
         "--max_epochs",
@@ -123,7 +123,7 @@ def _trigger(row: Row, event: dict[str, Any]) -> float | None:
     if row.phase == "val" and event["event"] == "val_batch" and event["batch"] == 1:
         return 0.0
     if row.phase == "ckpt" and event["event"] == "ckpt_save":
-        return 0.3  # inside the first save (fault_fit holds it HOLD_S)
+        return 0.3  # inside the first save (conformance.faults.fit holds it HOLD_S)
     return None
 
 
@@ -328,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "results.md").write_text("# Fault matrix\n\n" + fault_matrix_report.render_block(record) + "\n")
+    (args.out / "results.md").write_text("# Fault matrix\n\n" + report.render_block(record) + "\n")
     if args.out == DEFAULT_OUT and not args.rows:
-        PAGE.write_text(fault_matrix_report.update_readme(record)[1])
+        PAGE.write_text(report.update_readme(record)[1])
     return 0
 
 

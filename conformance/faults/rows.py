@@ -1,6 +1,6 @@
 """The fault matrix's rows (what fault, which rank, when) and what each row measures.
 
-See :mod:`conformance.fault_matrix`, which runs them; ``tests/test_fault_matrix.py`` checks them.
+See :mod:`conformance.faults.matrix`, which runs them; ``tests/test_fault_matrix.py`` checks them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = [
     "STEPS_PER_EPOCH",
 ]
 
-STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.fault_fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
+STEPS_PER_EPOCH, EPOCHS = 12, 3  # conformance.faults.fit: 384 samples / 2 ranks / batch 16; --max_epochs 3
 DEADLINE_S = 90.0  # a row still running this long after its fault is killed and reported as hung
 HOLD_S = 1.5  # the peer's pause at the faulted training batch, and the hold inside a checkpoint save
 STALL_S = 20.0  # stall_timeout of the stall rows

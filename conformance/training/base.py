@@ -1,4 +1,4 @@
-"""The base of the training patterns (:mod:`conformance.training_patterns`): a regression every pattern
+"""The base of the training patterns (:mod:`conformance.training.patterns`): a regression every pattern
 changes one thing of, and its data.
 
 Each pattern is a small :class:`TrainingPattern` (a LightningModule) trained on 32 fixed samples.
