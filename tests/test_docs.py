@@ -129,6 +129,7 @@ def _blocks() -> list[tuple[Path, str, str]]:
     from benchmarks import readme_results
     from conformance.evaluation import table as evaluation_table
     from conformance.faults import report as fault_report
+    from conformance.lightning_suite import run as lightning_suite
     from conformance.training import table as training_table
 
     return [
@@ -137,6 +138,7 @@ def _blocks() -> list[tuple[Path, str, str]]:
         (evaluation_table.PAGE, evaluation_table.BEGIN, evaluation_table.END),
         (training_table.PAGE, training_table.BEGIN, training_table.END),
         (fault_report.PAGE, fault_report.BEGIN, fault_report.END),
+        (lightning_suite.PAGE, lightning_suite.BEGIN, lightning_suite.END),
     ]
 
 

@@ -1,0 +1,230 @@
+"""Per-test outcomes from pytest's JUnit XML, the ddp and custom_ddp modes compared, and their summary.
+
+Outcomes: ``passed``, ``skipped``, ``xfailed``, ``failed``, ``error`` (collection, setup or teardown),
+and ``timeout`` (set by the runner for the test a killed run was in). A test reported twice (a failed
+call, then a teardown error) keeps the worse, with both messages. Pure Python: no Lightning, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CUSTOM_CLASS", "MODES", "compare", "launch_counts", "parse_junit", "parse_verbose_log", "render_markdown"]
+__all__ += ["worse"]
+
+MODES = ("ddp", "custom_ddp")
+CUSTOM_CLASS = "CustomDDPStrategy"  # the class name the plugin logs for a custom_ddp launch
+_SEVERITY = ("passed", "skipped", "xfailed", "failed", "error", "timeout")  # later is worse
+_UNFINISHED = {"failed", "error", "timeout"}
+_VERBOSE_LINE = re.compile(r"^(\S+::\S+)(?: (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR))?")
+_VERBOSE_OUTCOMES = dict(
+    PASSED="passed", XPASS="passed", FAILED="failed", SKIPPED="skipped", XFAIL="xfailed", ERROR="error"
+)
+
+
+def _node_id(case: ElementTree.Element) -> str:
+    """pytest's node id from an xunit1 testcase: ``file`` + the class path below the module + ``name``."""
+    file, classname, name = case.get("file", ""), case.get("classname", ""), case.get("name", "")
+    if not classname:  # a collection error: the module itself
+        return file or name
+    module = file.removesuffix(".py").replace("/", ".")
+    classes = classname.removeprefix(module).strip(".")
+    return "::".join(part for part in (file, *classes.split("."), name) if part)
+
+
+def _first_line(element: ElementTree.Element) -> str:
+    """The failure's message, first line; else the first ``E`` line of its traceback."""
+    for line in (element.get("message") or "").splitlines():
+        if line.strip():
+            return line.strip()
+    for line in (element.text or "").splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()
+    return ""
+
+
+def _case_outcome(case: ElementTree.Element) -> dict[str, str]:
+    for tag, outcome in (("error", "error"), ("failure", "failed")):
+        found = case.find(tag)
+        if found is not None:
+            return {"outcome": outcome, "message": _first_line(found)}
+    skipped = case.find("skipped")
+    if skipped is not None:
+        return {"outcome": "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"}
+    return {"outcome": "passed"}
+
+
+def worse(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+    """The worse of two outcomes of one test, with both messages in order (a failed call's first: it is
+    what the test checks, a teardown error after it is mostly its consequence)."""
+    worst = max(a, b, key=lambda result: _SEVERITY.index(result["outcome"]))
+    messages = [result["message"] for result in (a, b) if result.get("message")]
+    return {"outcome": worst["outcome"], "message": "; then ".join(messages)} if messages else worst
+
+
+def parse_junit(path: Path) -> dict[str, dict[str, str]]:
+    """``{node id: {"outcome": ..., "message": first line (failures only)}}`` of a pytest ``--junitxml``
+    report written with ``-o junit_family=xunit1`` (xunit2 drops the ``file`` a node id needs)."""
+    results: dict[str, dict[str, str]] = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        test_id, outcome = _node_id(case), _case_outcome(case)
+        results[test_id] = worse(results[test_id], outcome) if test_id in results else outcome
+    return results
+
+
+def parse_verbose_log(text: str, target: str, outcome: str, why: str) -> dict[str, dict[str, str]]:
+    """Outcomes from the lines of ``pytest -v`` (a run that wrote no report): the test still running when
+    the log ends, else ``target`` (a file, a node id), gets ``outcome`` with the message ``why``."""
+    results: dict[str, dict[str, str]] = {}
+    started: list[str] = []
+    for line in text.splitlines():
+        match = _VERBOSE_LINE.match(line)
+        if match and match.group(2):
+            results[match.group(1)] = {"outcome": _VERBOSE_OUTCOMES[match.group(2)]}
+        elif match:
+            started.append(match.group(1))
+    running = next((test for test in reversed(started) if test not in results), target)
+    results[running] = {"outcome": outcome, "message": why}
+    return results
+
+
+def launch_counts(launches: Iterable[dict[str, Any]], strategy: str | None = None) -> Counter[str]:
+    """Launches of 2+ processes per test, of ``strategy``'s class only when given."""
+    return Counter(
+        launch["test"]
+        for launch in launches
+        if launch["num_processes"] >= 2 and launch["test"] and strategy in (None, launch["strategy"])
+    )
+
+
+def _launched(launches: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """How many tests really started 2+ processes in each mode, and under custom_ddp in the swapped one."""
+    custom = launch_counts(launches["custom_ddp"], CUSTOM_CLASS)
+    by_start = Counter(
+        launch["start_method"]
+        for launch in launches["custom_ddp"]
+        if launch["strategy"] == CUSTOM_CLASS and launch["num_processes"] >= 2
+    )
+    return {
+        "ddp": len(launch_counts(launches["ddp"])),
+        "custom_ddp": len(custom),
+        "custom_ddp_launches_by_start_method": dict(sorted(by_start.items())),
+        "custom_ddp_tests": sorted(custom),
+        # Launched under ddp, but never by custom_ddp when swapped: the swap did not reach these.
+        "not_swapped": sorted(set(launch_counts(launches["ddp"])) - set(custom)),
+    }
+
+
+def _per_mode(tests: dict[str, dict[str, Any]], mode: str) -> dict[str, int]:
+    counts = Counter(test[mode] for test in tests.values() if mode in test)
+    return {"ran": sum(n for outcome, n in counts.items() if outcome != "skipped"), **dict(sorted(counts.items()))}
+
+
+def _differences(tests: dict[str, dict[str, Any]], expected: Callable[[str], str | None]) -> dict[str, Any]:
+    ddp_only: dict[str, str] = {}
+    expected_seen: dict[str, dict[str, str]] = {}
+    custom_only: dict[str, str] = {}
+    for test_id, test in sorted(tests.items()):
+        ddp, custom, messages = test.get("ddp"), test.get("custom_ddp"), test.get("messages", {})
+        if ddp == "passed" and custom != "passed":
+            line = f"{custom}: {messages.get('custom_ddp', '')}".rstrip(": ")
+            reason = expected(test_id)
+            if reason:
+                expected_seen[test_id] = {"why": reason, "custom_ddp": line}
+            else:
+                ddp_only[test_id] = line
+        elif custom == "passed" and ddp != "passed":
+            custom_only[test_id] = f"{ddp}: {messages.get('ddp', '')}".rstrip(": ")
+    return {
+        "passed_only_under_ddp": ddp_only,
+        "expected_differences": expected_seen,
+        "passed_only_under_custom_ddp": custom_only,
+    }
+
+
+def compare(
+    tests: dict[str, dict[str, Any]],
+    expected: Callable[[str], str | None],
+    launches: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Summary of ``tests`` (``{test id: {"ddp": outcome, "custom_ddp": outcome, "messages": {mode: line}}}``)
+    and of each mode's ``launches`` (the plugin's log lines).
+
+    A test that passed under ddp only is an expected difference when ``expected(test id)`` gives a
+    reason, else a finding; an expected difference that did not happen is listed as stale.
+    """
+    both = sorted(test_id for test_id, test in tests.items() if test.get("ddp") == test.get("custom_ddp") == "passed")
+    return {
+        "tests": len(tests),
+        "per_mode": {mode: _per_mode(tests, mode) for mode in MODES},
+        "passed_in_both": len(both),
+        **_differences(tests, expected),
+        "expected_but_passed_in_both": [test_id for test_id in both if expected(test_id)],
+        "unfinished_in_both": sorted(
+            test_id for test_id, test in tests.items() if {test.get(mode) for mode in MODES} <= _UNFINISHED
+        ),
+        "launched": _launched(launches),
+    }
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _count_rows(summary: dict[str, Any]) -> list[str]:
+    per_mode, launched = summary["per_mode"], summary["launched"]
+    rows = ["| | ddp | custom_ddp |", "| --- | ---: | ---: |"]
+    for outcome in ("ran", *_SEVERITY):
+        if any(per_mode[mode].get(outcome) for mode in MODES):
+            rows.append(f"| {outcome} | " + " | ".join(str(per_mode[mode].get(outcome, 0)) for mode in MODES) + " |")
+    label = "tests that started 2+ processes (custom_ddp: CustomDDPStrategy did)"
+    return [*rows, f"| {label} | {launched['ddp']} | {launched['custom_ddp']} |"]
+
+
+def _grouped(rows: list[tuple[str, str, str, str]]) -> list[tuple[str, str, str, str]]:
+    """The parametrizations of one test with one reason in one row: the first one's outcomes, their count."""
+    groups: dict[tuple[str, str], list[tuple[str, str, str, str]]] = {}
+    for row in rows:
+        groups.setdefault((row[0].split("[", 1)[0], row[3]), []).append(row)
+    return [
+        (f"`{members[0][0]}`" if len(members) == 1 else f"`{base}` ({len(members)} parametrizations)", *members[0][1:])
+        for (base, _), members in groups.items()
+    ]
+
+
+def _difference_rows(summary: dict[str, Any]) -> list[str]:
+    rows = [(test, "passed", line, "**unexpected**") for test, line in summary["passed_only_under_ddp"].items()]
+    rows += [(test, "passed", d["custom_ddp"], d["why"]) for test, d in summary["expected_differences"].items()]
+    rows += [(test, line, "passed", "") for test, line in summary["passed_only_under_custom_ddp"].items()]
+    if not rows:
+        return []
+    header = ["", "| test | ddp | custom_ddp | why |", "| --- | --- | --- | --- |"]
+    return header + [f"| {test} | {_escape(a)} | {_escape(b)} | {_escape(why)} |" for test, a, b, why in _grouped(rows)]
+
+
+def render_markdown(record: dict[str, Any]) -> str:
+    """A short Markdown summary of a results record: versions, counts, and the table of differences."""
+    summary, env, selection = record["summary"], record["environment"], record["selection"]
+    versions = env["versions"]
+    head = (
+        f"Lightning's own tests ({env['lightning_tests']['version']}: {summary['tests']} tests of "
+        f"{len(selection['files'])} files, {len(selection['standalone'])} of them standalone) under torch "
+        f"{versions['torch']}, lightning {versions['lightning']}, {env['cpu_count']} CPU cores, {env['date']}:"
+    )
+    tail = (
+        f"Passed in both: {summary['passed_in_both']}. Passed under ddp only: "
+        f"{len(summary['passed_only_under_ddp'])} unexpected, {len(summary['expected_differences'])} expected; "
+        f"passed under custom_ddp only: {len(summary['passed_only_under_custom_ddp'])}."
+    )
+    not_swapped = summary["launched"]["not_swapped"]
+    if not_swapped:
+        tail += (
+            f" Launched processes under ddp but not as custom_ddp ({len(not_swapped)}: the test builds its strategy "
+            "itself, no registry name to swap): " + ", ".join(f"`{test}`" for test in not_swapped) + "."
+        )
+    return "\n".join([head, "", *_count_rows(summary), "", tail, *_difference_rows(summary)]) + "\n"
