@@ -42,10 +42,18 @@ Verdict = Literal["met", "missed", "undecided"]
 _T = TypeVar("_T")
 
 
+def results_folder(benchmark: str) -> str:
+    """A benchmark's default record folder under ``benchmarks/results/``: its module's own name
+    (``syncbn`` for ``batchnorm.syncbn``)."""
+    return benchmark.rsplit(".", 1)[-1]
+
+
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
-    """The options every benchmark has (``--out``, ``--quick``, ``--max-wait-s``); see :func:`parse`."""
+    """The options every benchmark has (``--out``, ``--quick``, ``--max-wait-s``); see :func:`parse`. ``name``
+    is the module under ``benchmarks`` (``batchnorm.syncbn``): the record's ``benchmark``."""
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=(doc or "").split("\n\n")[0])
-    p.add_argument("--out", type=Path, help=f"default: benchmarks/results/{name}; with --quick a temporary folder")
+    folder = results_folder(name)
+    p.add_argument("--out", type=Path, help=f"default: benchmarks/results/{folder}; with --quick a temporary folder")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny settings, no wait for a quiet machine")
     p.add_argument("--max-wait-s", type=float, help="wait this long for a quiet machine (default 300; --quick 0)")
     p.set_defaults(benchmark=name)
@@ -59,7 +67,7 @@ def parse(
     With ``full`` settings, ``args.cfg`` is ``quick`` (``--quick``) or ``full``, and every option of the same
     name that was given on top."""
     args = p.parse_args(argv)
-    name = p.get_default("benchmark")
+    name = results_folder(p.get_default("benchmark"))
     quick_out = Path(tempfile.gettempdir(), f"lit_cifar_{name}_quick")
     args.out = args.out or (quick_out if args.quick else Path("benchmarks/results", name))
     if args.quick and args.out.resolve().is_relative_to(RESULTS):

@@ -31,11 +31,11 @@ fi
 shapes=(32x128 1024x2048 32x64x16x16 128x64x32x32 256x64x56x56 256x256x14x14)
 [ -n "$quick" ] && shapes=(32x128 32x64x16x16)
 for dtype in float32 bfloat16; do
-  python -m benchmarks.syncbn --device "$device" --world-size 1 --dtype "$dtype" --shapes "${shapes[@]}" \
+  python -m benchmarks.batchnorm.syncbn --device "$device" --world-size 1 --dtype "$dtype" --shapes "${shapes[@]}" \
     --max-wait-s 0 $quick --out "$out/syncbn_one_gpu_$dtype" > "$out/syncbn_$dtype.log" 2>&1 || status=1
 done
 # One GPU, one process: custom_ddp (its SyncBatchNorm: the Triton kernels) against ddp, fits interleaved.
-python -m benchmarks.compare --device "$device" --nets resnet18 --variants custom_ddp ddp_default --accumulate 1 \
+python -m benchmarks.fits.compare --device "$device" --nets resnet18 --variants custom_ddp ddp_default --accumulate 1 \
   --timing-only --rounds 3 --max-wait-s 0 $quick --out "$out/compare_one_gpu" > "$out/compare.log" 2>&1 || status=1
 tail -n 3 "$out"/*.log "$out/gpu_tests.txt" 2>/dev/null
 exit $status

@@ -8,8 +8,8 @@ and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's h
 ``HEADLINE_RECORDS`` (custom_ddp, with local BN and with its SyncBatchNorm, against Lightning's ddp tuned in
 Lightning fits), one per machine and cell, the one with the most samples where a cell was measured twice::
 
-    python -m benchmarks.readme_results --write     # after committing new results: both blocks
-    python -m benchmarks.readme_results             # exit 1 if either differs (the tests check them too)
+    python -m benchmarks.readme_results --write   # after committing new results: both blocks
+    python -m benchmarks.readme_results           # exit 1 if either differs (the tests check them too)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import results_folder
 from benchmarks.readme_block import replace_block
 from benchmarks.report import fmt_value, headline_table, machine
 from measure.stats import INTERVALS
@@ -51,7 +52,7 @@ def _drew_steps(record: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
 
 
 def _module(name: str, record: dict[str, Any]) -> Any:
-    """The record's benchmark module (``benchmarks.compare`` for a record under ``results/compare_localbn``)."""
+    """The record's benchmark module (``benchmarks.fits.compare`` for a record under ``results/compare_localbn``)."""
     benchmark = record.get("benchmark", name)
     spec = importlib.util.find_spec(f"benchmarks.{benchmark}")
     return importlib.import_module(f"benchmarks.{benchmark}") if spec else None
@@ -70,7 +71,7 @@ def _report(name: str, page: Path) -> str:
 def _section(name: str, record: dict[str, Any], page: Path = PAGE) -> list[str]:
     """Rows from the record's benchmark module's ``headline(record)``, its report linked from ``page``."""
     benchmark, module = record.get("benchmark", name), _module(name, record)
-    title = getattr(module, "TITLE", benchmark) + ("" if name == benchmark else f" ({name})")
+    title = getattr(module, "TITLE", benchmark) + ("" if name == results_folder(benchmark) else f" ({name})")
     quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
     rows = _rows(module, record)

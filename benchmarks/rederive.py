@@ -1,8 +1,8 @@
 """Re-derive committed benchmark records from the raw samples they keep, with today's analysis.
 
-    python -m benchmarks.rederive                      # every record under benchmarks/results/
-    python -m benchmarks.rederive compare_localbn      # the named folders only
-    python -m benchmarks.readme_results --write        # then refresh the README's results block
+    python -m benchmarks.rederive                   # every record under benchmarks/results/
+    python -m benchmarks.rederive compare_localbn   # the named folders only
+    python -m benchmarks.readme_results --write     # then refresh the README's results block
 
 A record's estimates, headline, report and plots come from its benchmark module's ``write(record, out)``,
 which derives them from the samples the record keeps; the measurements, machine and command stay as

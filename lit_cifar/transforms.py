@@ -5,7 +5,7 @@ RandomHorizontalFlip -> ToTensor -> Normalize) costs a Python round trip per ima
 data-loader workers; on a 2-core machine that competes with the training processes for the same
 cores. Doing the same augmentation on the batch after it reached the device (airbench style) is a
 handful of vectorised ops, runs on the GPU when there is one, and lets datasets hand out raw
-uint8 tensors. The numbers behind this choice: ``python -m benchmarks.data_pipeline``.
+uint8 tensors. The numbers behind this choice: ``python -m benchmarks.costs.data_pipeline``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks.grad_sync: the analysis on synthetic samples, and the collectives of a real profiled step."""
+"""benchmarks.collectives.grad_sync: the analysis on synthetic samples, and the collectives of a real profiled step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks import grad_sync, grad_sync_report
+from benchmarks.collectives import grad_sync, grad_sync_report
 from benchmarks.harness import Quietness, make_record
 from collectives.launcher import run_workers
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import allreduce, data_pipeline, eval_memory, generator_keeping, syncbn, syncbn_lockstep
-from benchmarks.harness import Quietness, make_record
+from benchmarks.batchnorm import syncbn, syncbn_lockstep
+from benchmarks.collectives import allreduce
+from benchmarks.costs import data_pipeline, eval_memory, generator_keeping
+from benchmarks.harness import RESULTS, Quietness, make_record
 
 ESTIMATE_KEYS = {"value", "low", "high", "n"}
 
@@ -51,7 +53,7 @@ def test_syncbn_quick_run(tmp_path: Path) -> None:
     assert shared["target"] == "<= 1" and "floor (local BN + 2 all-reduces, gloo)" in shared["what"]
     assert row["peak_bytes"]["custom"] >= 0 and saved["config"]["threads"] == 1
     assert "SyncBN / floor (local BN + 2 all-reduces), 2 ranks: worst (N, C) shape (8x16)" in _whats(saved)
-    assert saved["command"].startswith("python -m benchmarks.syncbn --quick")
+    assert saved["command"].startswith("python -m benchmarks.batchnorm.syncbn --quick")
     assert (tmp_path / "syncbn.png").exists()
     # The kernel alone on one rank: custom vs native BatchNorm, against the (N, C) target.
     (one_rank,) = saved["one_rank_rows"]
@@ -183,8 +185,6 @@ def test_syncbn_lockstep_quick_run(tmp_path: Path) -> None:
 
 
 def test_eval_memory_rows_of_the_committed_record():
-    record = json.loads(
-        Path(eval_memory.__file__).with_name("results").joinpath("eval_memory/results.json").read_text()
-    )
+    record = json.loads((RESULTS / "eval_memory" / "results.json").read_text())
     rows = eval_memory.headline(record)
     assert len(rows) == len(record["ranks"]) and all(r["unit"] == "B" and "threads" in r["what"] for r in rows)

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.compare``: its analysis on known samples, its argument checks, a tiny end-to-end run."""
+"""``python -m benchmarks.fits.compare``: its analysis on known samples, its argument checks, a tiny end-to-end run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import asdict
 import pytest
 from entry_points import quick_benchmark_record
 
-from benchmarks.compare import analyse, headline, parse_config
-from benchmarks.compare_runs import MATCHED_THREADS, VARIANTS, fit_flags, variants_for
+from benchmarks.fits.compare import analyse, headline, parse_config
+from benchmarks.fits.compare_runs import MATCHED_THREADS, VARIANTS, fit_flags, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
 _VARIANTS = {k: asdict(v) for k, v in VARIANTS.items()}
@@ -124,7 +124,7 @@ def test_compare_arguments(capsys):
 @pytest.mark.distributed
 def test_compare_end_to_end_quick(tmp_path):
     out = tmp_path / "compare"
-    record = quick_benchmark_record("compare", out, timeout=1200)
+    record = quick_benchmark_record("fits.compare", out, timeout=1200)
     assert record["schema"] == SCHEMA and "comparable" in record["quietness"]
     for net in ("template", "resnet18"):
         runs = record["timing"][net]["2"]

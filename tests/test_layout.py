@@ -72,12 +72,13 @@ _MEASUREMENT = [
     "benchmarks.harness",
     "benchmarks.report",
     "benchmarks.readme_results",
-    "benchmarks.grad_sync",
-    "benchmarks.grad_sync_report",
-    "benchmarks.syncbn",
-    "benchmarks.allreduce",
-    "benchmarks.compare",
-    "benchmarks.compare_runs",
+    "benchmarks.collectives.grad_sync",
+    "benchmarks.collectives.grad_sync_report",
+    "benchmarks.batchnorm.syncbn",
+    "benchmarks.batchnorm.syncbn_report",
+    "benchmarks.collectives.allreduce",
+    "benchmarks.fits.compare",
+    "benchmarks.fits.compare_runs",
 ]
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.paired_fits: verdicts on the target, paired vs apart intervals, options, and a real run."""
+"""benchmarks.fits.paired_fits: verdicts on the target, paired vs apart intervals, options, and a real run."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from entry_points import quick_benchmark_record
 
-from benchmarks.compare_runs import MATCHED_THREADS
+from benchmarks.fits.compare_runs import MATCHED_THREADS
+from benchmarks.fits.paired_fits import _target_verdict, analyse, headline, parse_config
 from benchmarks.harness import SCHEMA
-from benchmarks.paired_fits import _target_verdict, analyse, headline, parse_config
 
 
 def _timing(ratio: float, pairs: int = 20, seed: int = 0) -> dict:
@@ -101,7 +101,7 @@ def test_paired_fits_end_to_end_quick(tmp_path):
     # Both strategies fit in turn in the same 2 ranks: custom_ddp after ddp and ddp after custom_ddp
     # in one process group, as a script calling fit twice would.
     out = tmp_path / "paired"
-    record = quick_benchmark_record("paired_fits", out, "--pairs", "2", timeout=600)
+    record = quick_benchmark_record("fits.paired_fits", out, "--pairs", "2", timeout=600)
     assert record["schema"] == SCHEMA and record["config"]["pairs"] == 1  # --quick: one pair
     runs = record["timing"]["template"]["2"]
     assert set(runs) == {"custom_ddp_localbn", "ddp_tuned"}

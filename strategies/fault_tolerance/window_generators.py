@@ -17,7 +17,7 @@ before it exits (:meth:`WindowGenerators.flush`).
 Cost per optimizer step: reading the generators takes 65 us on the main thread; encoding them
 (15 us) and one ``set`` of about 14 KB per store run on the writing threads. On a 2-rank template-net
 step (110 ms) the time added is 0.29 [-0.72, 1.47] ms with the job's store only and 0.41 [-1.14, 1.2]
-ms with the mirror too: not measurable (``python -m benchmarks.generator_keeping``; medians and 95 %
+ms with the mirror too: not measurable (``python -m benchmarks.costs.generator_keeping``; medians and 95 %
 CIs, AMD EPYC, 1 thread per rank). Nothing is communicated between ranks, and the main thread never
 waits for a store.
 

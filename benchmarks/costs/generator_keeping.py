@@ -13,7 +13,7 @@ step time; the cost is its difference to ``off``, and includes the writing threa
 the step for the interpreter and the core. Also timed on its own, in this process: reading the generators
 (``rng_state``, on the main thread) and encoding them (``encode_rng_state``, on a writing thread)::
 
-    python -m benchmarks.generator_keeping          # about 2 minutes on 2 cores
+    python -m benchmarks.costs.generator_keeping          # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}
     measure = lambda: _sections(rounds, steps)  # noqa: E731
     return harness.run_benchmark(
-        "generator_keeping", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False
+        "costs.generator_keeping", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False
     )
 
 

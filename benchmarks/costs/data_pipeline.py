@@ -1,7 +1,7 @@
 """CIFAR train-augmentation throughput: torchvision's per-sample PIL pipeline vs batched tensor ops.
 
-    python -m benchmarks.data_pipeline              # about 2 minutes
-    python -m benchmarks.data_pipeline --quick      # smoke run into a temporary folder
+    python -m benchmarks.costs.data_pipeline           # about 2 minutes
+    python -m benchmarks.costs.data_pipeline --quick   # smoke run into a temporary folder
 
 From uint8 images to a normalised batch after a 4-px-padded random crop and a horizontal flip,
 images/s through a DataLoader epoch on CPU: ``pil_main`` (PIL per sample in the main process),
@@ -121,7 +121,7 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser("data_pipeline", __doc__)
+    p = parser("costs.data_pipeline", __doc__)
     p.add_argument("--images", type=int, help=f"images per epoch (default {FULL['images']:,})")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main process")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     cfg = args.cfg | {"torch_threads": torch.get_num_threads()}
     return run_benchmark(
-        "data_pipeline", cfg, argv, write, lambda: measure(cfg), args.out, args.max_wait_s, timed=False
+        "costs.data_pipeline", cfg, argv, write, lambda: measure(cfg), args.out, args.max_wait_s, timed=False
     )
 
 

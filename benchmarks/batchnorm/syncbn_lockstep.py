@@ -1,8 +1,8 @@
 """Where SyncBatchNorm's cost goes in a 2-rank CPU training step: its kernel, its exchange, or the lockstep.
 
-    python -m benchmarks.syncbn_lockstep                               # ResNet-18: ~3 minutes on 2 Zen 3 cores
-    python -m benchmarks.syncbn_lockstep --net template               # the template net: ~30 seconds
-    python -m benchmarks.syncbn_lockstep --quick --out /tmp/lockstep   # smoke run
+    python -m benchmarks.batchnorm.syncbn_lockstep                               # ResNet-18: ~3 min on 2 Zen 3 cores
+    python -m benchmarks.batchnorm.syncbn_lockstep --net template                # the template net: ~30 seconds
+    python -m benchmarks.batchnorm.syncbn_lockstep --quick --out /tmp/lockstep   # smoke run
 
 Issue 48: at accumulate 4 ``ddp`` communicates on one micro-batch of four, while SyncBatchNorm exchanges
 statistics twice per layer on every micro-batch (ResNet-18: 20 layers, 40 exchanges), and paired fits put
@@ -155,7 +155,7 @@ def write(record: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser("syncbn_lockstep", __doc__)
+    p = parser("batchnorm.syncbn_lockstep", __doc__)
     p.add_argument("--net", choices=("resnet18", "template"), default="resnet18")
     p.add_argument("--batch", type=int, default=8, help="micro-batch per rank (compare's ResNet-18 batch)")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ranks = run_workers(_worker, 2, args=(config,), threads=1, timeout_s=1800.0)
         return {"ranks": ranks}
 
-    return run_benchmark("syncbn_lockstep", config, argv, write, measure, args.out, args.max_wait_s)
+    return run_benchmark("batchnorm.syncbn_lockstep", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Compare the hand-written ``custom_ddp`` strategy with Lightning's ``ddp``: step time, accuracy, collectives.
 
-    python -m benchmarks.compare                              # about 25 minutes on 2 CPU cores
-    python -m benchmarks.compare --quick --out /tmp/compare   # smoke run, about 5 minutes
-    python -m benchmarks.compare --variants custom_ddp_localbn custom_ddp_localbn_gloo ddp_tuned --timing-only \
+    python -m benchmarks.fits.compare                              # about 25 minutes on 2 CPU cores
+    python -m benchmarks.fits.compare --quick --out /tmp/compare   # smoke run, about 5 minutes
+    python -m benchmarks.fits.compare --variants custom_ddp_localbn custom_ddp_localbn_gloo ddp_tuned --timing-only \
         --rounds 6 --out benchmarks/results/compare_localbn     # the step-time target alone, ~30 minutes
 
 (2 rounds x 3 settings x 16 variants = 96 timed fits of 5-25 s, 11 collective counts of ~10 s, 2
@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare_runs import (
+from benchmarks.fits.compare_runs import (
     BASE_CONFIG,
     GPU,
     GPU_NETS,
@@ -268,7 +268,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
     accumulate 2 of 1 + 3 steps, tiny data, one accuracy epoch."""
     help_variants = "timed variants (default: all); ratios need both of their variants"
     p = fits_parser(
-        "compare", __doc__, NETS, {"choices": tuple(VARIANTS), "default": list(VARIANTS), "help": help_variants}
+        "fits.compare", __doc__, NETS, {"choices": tuple(VARIANTS), "default": list(VARIANTS), "help": help_variants}
     )
     p.add_argument("--rounds", type=int, default=2, help="interleaved timed fits per variant and setting")
     p.add_argument("--accuracy-epochs", type=int, default=6)
@@ -323,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the comparison and write its record and report; returns the record."""
     cfg, max_wait_s = parse_config(argv)
     os.chdir(REPO_ROOT)  # train.py, its data/ folder and the relative paths of the recorded commands
-    return run_benchmark("compare", cfg, argv, write, lambda: measure(cfg), Path(cfg["out"]), max_wait_s, timed=False)
+    return run_benchmark(
+        "fits.compare", cfg, argv, write, lambda: measure(cfg), Path(cfg["out"]), max_wait_s, timed=False
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """SyncBatchNorm benchmark: does ``parallel.batchnorm.syncbn.SyncBatchNorm`` cost more than local BN plus its
 all-reduces?
 
-    python -m benchmarks.syncbn                                   # CPU, 2 gloo ranks, 12 shapes: ~6 minutes
-    python -m benchmarks.syncbn --quick --out /tmp/syncbn         # smoke run: 3 shapes, few rounds
-    python -m benchmarks.syncbn --device cuda --out benchmarks/results/syncbn_gpu
-    python -m benchmarks.syncbn --device cuda --world-size 1 --dtype bfloat16   # one GPU: a 1-rank NCCL group
+    python -m benchmarks.batchnorm.syncbn                             # CPU, 2 gloo ranks, 12 shapes: ~6 minutes
+    python -m benchmarks.batchnorm.syncbn --quick --out /tmp/syncbn   # smoke run: 3 shapes, few rounds
+    python -m benchmarks.batchnorm.syncbn --device cuda --out benchmarks/results/syncbn_gpu
+    python -m benchmarks.batchnorm.syncbn --device cuda --world-size 1 --dtype bfloat16   # one GPU: a 1-rank NCCL group
 
 Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one forward+backward of
 ``custom`` (``parallel.batchnorm.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
@@ -25,16 +25,14 @@ held at once (CPU: the profiler's allocator events, ``measure.memory.allocated_p
 allocator's peak). First-compile time: the first call of ``compiled`` per shape, in the 2-rank run
 with an EMPTY inductor cache (the first shape pays the fixed ~20 s) and in the 1-rank run after it
 (warm cache: what a second run pays). Compiled targets (issue 24): <= 1.00x torch's BatchNorm on conv
-shapes, <= 1.5x on (N, C), on one rank. Analysis, headline, report: here.
+shapes, <= 1.5x on (N, C), on one rank. Analysis, headline, report: :mod:`benchmarks.batchnorm.syncbn_report`.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,8 +41,8 @@ from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm  # private: torch's SyncBN kernels
 
 import parallel.batchnorm.syncbn
-from benchmarks.harness import parse, parser, round_estimates, run_benchmark, slowest_ranks, timed_rounds, verdict
-from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
+from benchmarks.batchnorm.syncbn_report import headline, write
+from benchmarks.harness import parse, parser, run_benchmark, slowest_ranks, timed_rounds
 from collectives.launcher import run_workers
 from measure.memory import allocated_peak, measure_peak
 from measure.timing import aligned_seconds
@@ -52,6 +50,8 @@ from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.batchnorm.syncbn_function import sync_batch_norm
 from parallel.host.host_exchange import open_shared_memory_exchange
 from parallel.host.host_reduce import open_shared_memory_all_reduce
+
+__all__ = ["headline", "main", "write"]  # the record's module: rederive and the results blocks load these
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
@@ -61,10 +61,6 @@ QUICK = {"rounds": 3, "iters": 5, "warmup": 2}
 TARGETS = {"cpu": ("floor", 1.2), "cuda": ("torch_syncbn", 1.0)}  # baseline, max custom/baseline
 ONE_RANK_TARGETS = {"conv": 1.10, "nc": 1.5}  # max custom/native BN on one rank, by shape kind
 COMPILED_TARGETS = {"conv": 1.00, "nc": 1.5}  # max compiled/native BN on one rank, by shape kind
-KERNELS = ("custom", "shared", "compiled", "eager")  # the numerators of every ratio
-SHARED_TARGET = 1.0  # max shared/floor: the statistics through shared memory cost no more than 2 gloo all-reduces
-TITLE = "SyncBatchNorm: forward+backward time and peak memory"
-KINDS = {"nc": "(N, C)", "conv": "(N, C, H, W)"}
 
 
 class _TorchSyncFunction(nn.BatchNorm2d):
@@ -188,23 +184,6 @@ def _peak_bytes(fns: dict[str, Callable[[], None]], device: torch.device) -> dic
     return peaks
 
 
-def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
-    """``conv`` for (N, C, H, W) shapes, ``nc`` for (N, C) ones."""
-    return "conv" if len(shape) >= 4 else "nc"
-
-
-def _shape(row: dict[str, Any]) -> str:
-    return "x".join(map(str, row["shape"]))
-
-
-def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any]:
-    """Medians and the ratios of custom over every other method (CIs) from one shape's slowest-rank samples,
-    kept flat in rounds of ``run_length`` calls (each round is resampled whole)."""
-    pairs = [(a, b) for a in KERNELS for b in samples if b not in KERNELS]
-    extra = [("shared", "custom"), ("compiled", "custom"), ("custom", "eager"), ("python_floor", "local")]
-    return round_estimates(samples, run_length, [*pairs, *extra])
-
-
 def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One shape: the slowest rank's samples, peak memory (max over ranks); :func:`write` derives the estimates."""
     compile_s = [r["compile_s"] for r in per_rank if r.get("compile_s") is not None]
@@ -213,136 +192,6 @@ def analyse_row(shape: tuple[int, ...], per_rank: list[dict[str, Any]]) -> dict[
         "peak_bytes": {n: max(r["peak_bytes"][n] for r in per_rank) for n in per_rank[0].get("peak_bytes", {})},
         "samples_s": slowest_ranks([rank["samples"] for rank in per_rank]),
     } | ({"compile_s": max(compile_s)} if compile_s else {})
-
-
-def _judged(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[tuple[dict, str, float]]:
-    """(row, verdict, target) of ``key`` for every row that has it, the target by shape kind."""
-    judged = [(row, targets[shape_kind(row["shape"])]) for row in rows if key in row["ratios"]]
-    return [(row, verdict(row["ratios"][key], target), target) for row, target in judged]
-
-
-def _kind_rows(rows: list[dict], key: str, targets: dict[str, float], what: str, kind: str) -> list[dict[str, Any]]:
-    """The worst ratio ``key`` of the shapes of one kind, with its verdict, and how many shapes met the target."""
-    judged = _judged([r for r in rows if shape_kind(r["shape"]) == kind], key, targets)
-    if not judged:
-        return []
-    worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
-    tally, label = Counter(v for _, v, _ in judged), KINDS[kind]
-    return [
-        headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
-        headline_row(
-            f"{what}: {label} shapes meeting <= {target:g}",
-            f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided of {len(judged)}",
-        ),
-    ]
-
-
-def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per shape kind: the worst ratio with its verdict and how many shapes met the target, for the
-    synchronised layer against its baseline and for the kernel alone against torch's BatchNorm."""
-    cfg, rows, one_rank = record["config"], record["rows"], record.get("one_rank_rows", [])
-    base, ranks, target = cfg["baseline"], f"{cfg['world_size']} ranks", dict.fromkeys(KINDS, cfg["target"])
-    floor = "local BN + 2 all-reduces" if base == "floor" else "torch"
-    one_rank_targets, compiled_targets = cfg.get("one_rank_targets", {}), cfg.get("compiled_targets", {})
-    shared = "SyncBN, statistics through shared memory"
-    checks = [  # the rows, the ratio judged, its targets by shape kind, what it is
-        (rows, f"custom/{base}", target, f"SyncBN / {base} ({floor}), {ranks}"),
-        (rows, "shared/floor", dict.fromkeys(KINDS, SHARED_TARGET), f"{shared} / floor ({floor}, gloo), {ranks}"),
-        (one_rank, "custom/local", one_rank_targets, "SyncBN kernel / torch BatchNorm, 1 rank"),
-        (rows, f"compiled/{base}", target, f"SyncBN compiled / {base}, {ranks}"),
-        (one_rank, "compiled/local", compiled_targets, "SyncBN kernel compiled / torch BatchNorm, 1 rank"),
-    ]
-    out = [row for check in checks for kind in KINDS for row in _kind_rows(*check, kind)]
-    floors = [r for r in one_rank if "python_floor/local" in r["ratios"] and shape_kind(r["shape"]) == "nc"]
-    if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
-        worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
-        what = "Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst (N, C) shape"
-        what += f" ({_shape(worst)})"
-        out.append(headline_row(what, worst["ratios"]["python_floor/local"], "x"))
-    for shapes, when in ((rows, "empty inductor cache, 2-rank run"), (one_rank, "warm cache, 1-rank run after it")):
-        if any("compile_s" in row for row in shapes):  # the first shape pays the fixed cost, later ones their graphs
-            first, rest = shapes[0].get("compile_s", 0.0), [row.get("compile_s", 0.0) for row in shapes[1:]]
-            what = f"SyncBN compiled: first call ({when}): first shape ({_shape(shapes[0])}) / slowest later shape"
-            out.append(headline_row(what, f"{first:.1f} s / {max(rest, default=0.0):.1f} s"))
-    return out
-
-
-def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
-    methods, memory = list(rows[0]["median_s"]), list(rows[0]["peak_bytes"])
-    keys = [key, *(k for k in rows[0]["ratios"] if k != key)]  # the target's ratio first
-    headers = ["shape per rank", *methods, *(k.replace("/", " / ") for k in keys)]
-    headers += [f"{key} verdict", f"{key} CI includes 1?", *(f"{m} peak memory" for m in memory)]
-    cells = [
-        [_shape(row), *(fmt_value(row["median_s"][m], "s") for m in methods)]
-        + [fmt_value(row["ratios"][k]) for k in keys]
-        + [f"{v} (<= {t:g})", row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"]]
-        + [fmt_bytes(row["peak_bytes"][m]) for m in memory]
-        for row, v, t in _judged(rows, key, targets)
-    ]
-    return table(headers, cells)
-
-
-def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
-    """The compiled kernel's verdicts and first-call (compile) time per shape."""
-    cells = [
-        [_shape(row), fmt_value(row["ratios"][key]), fmt_value(row["ratios"].get("compiled/custom"))]
-        + [f"{v} (<= {t:g})", fmt_value(row.get("compile_s"), "s")]
-        for row, v, t in _judged(rows, key, targets)
-    ]
-    headers = ["shape per rank", key.replace("/", " / "), "compiled / custom (eager)", f"{key} verdict"]
-    return table([*headers, "first call (compiles)"], cells)
-
-
-def _body(record: dict[str, Any]) -> list[str]:
-    cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
-    target = dict.fromkeys(KINDS, cfg["target"])
-    compiled = []
-    if "compiled_targets" in cfg:  # records before the compiled kernel have none
-        compiled = [
-            f"## The compiled kernel (`compile=True`): {cfg['world_size']} ranks, then one rank",
-            "",
-            *_compiled_table(rows, f"compiled/{cfg['baseline']}", target),
-            "",
-            *_compiled_table(one_rank, "compiled/local", cfg["compiled_targets"]),
-            "",
-        ]
-    return [
-        f"{cfg['world_size']} ranks ({cfg['backend']}, {cfg['threads']} thread(s) each); {cfg['rounds']} rounds x "
-        f"{cfg['iters']} iterations per method after {cfg['warmup']} warm-up; wall time {record['wall_s']:.0f} s.",
-        "",
-        *_table(rows, f"custom/{cfg['baseline']}", target),
-        "",
-        "## The kernel on one rank: custom vs torch's BatchNorm (`local`)",
-        "",
-        *_table(one_rank, "custom/local", cfg["one_rank_targets"]),
-        "",
-        *compiled,
-        "![time and ratios per shape](syncbn.png)",
-    ]
-
-
-def _panels(record: dict[str, Any]) -> list[Panel]:
-    cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
-    groups = [_shape(row) for row in rows]
-    times = {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]}
-    shown = {k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]}
-    shown |= {f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS}
-    lines = {"1": 1.0, f"target {cfg['target']}x {cfg['baseline']}": cfg["target"]}
-    lines |= {f"1-rank target {KINDS[k]}": t for k, t in cfg["one_rank_targets"].items()}
-    return [
-        Panel("forward+backward", "ms (median, slowest rank)", groups, times, scale=1e3, log=True),
-        Panel("ratios of medians", "ratio", groups, shown, log=True, lines=lines),
-    ]
-
-
-def write(record: dict[str, Any], out: Path) -> None:
-    """Write results.json, results.md and syncbn.png for ``record`` into ``out``."""
-    cfg = record["config"]
-    for row in (*record["rows"], *record["one_rank_rows"]):  # from the kept samples: a record re-derives the same way
-        row.update(estimates(row["samples_s"], cfg["iters"]))
-    record["headline"] = headline(record)
-    plot_title = f"SyncBatchNorm, {cfg['world_size']} ranks, {cfg['device']} / {cfg['backend']}"
-    publish(out, record, TITLE, _body(record), {"syncbn.png": (plot_title, _panels(record))})
 
 
 def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[str, Any]) -> dict[str, Any]:
@@ -366,7 +215,7 @@ def _measure(shapes: list[tuple[int, ...]], cfg: dict[str, Any], launch: dict[st
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser("syncbn", __doc__)
+    p = parser("batchnorm.syncbn", __doc__)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
@@ -395,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start_method = "spawn" if args.device == "cuda" else "fork"
     launch = {"backend": backend, "timeout_s": 1800.0, "threads": args.threads, "start_method": start_method}
     measure = lambda: _measure(shapes, config, launch)  # noqa: E731
-    return run_benchmark("syncbn", config, argv, write, measure, args.out, args.max_wait_s)
+    return run_benchmark("batchnorm.syncbn", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The gradient synchronisation benchmark's analysis and report (:mod:`benchmarks.grad_sync` measures):
+"""The gradient synchronisation benchmark's analysis and report (:mod:`benchmarks.collectives.grad_sync` measures):
 every estimate is derived from the record's raw per-step samples (seconds), so a stored record can be
 re-analysed and its report rewritten."""
 

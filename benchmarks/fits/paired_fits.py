@@ -1,11 +1,11 @@
 """The step-time target with the host's drift paired out: Lightning fits back to back in ONE pair of ranks.
 
-    python -m benchmarks.paired_fits                              # ~70 minutes on 2 Zen 3 cores, ~20 on Zen 5
-    python -m benchmarks.paired_fits --nets template --pairs 40   # the template net alone: ~25 minutes on Zen 3
-    python -m benchmarks.paired_fits --nets template --accumulate 2 4 --pairs 120   # ~60 minutes on Zen 3
-    python -m benchmarks.paired_fits --quick --out /tmp/paired    # smoke run, under a minute
+    python -m benchmarks.fits.paired_fits                              # ~70 minutes on 2 Zen 3 cores, ~20 on Zen 5
+    python -m benchmarks.fits.paired_fits --nets template --pairs 40   # the template net alone: ~25 minutes on Zen 3
+    python -m benchmarks.fits.paired_fits --nets template --accumulate 2 4 --pairs 120   # ~60 minutes on Zen 3
+    python -m benchmarks.fits.paired_fits --quick --out /tmp/paired    # smoke run, under a minute
 
-Why: ``benchmarks.compare`` times every variant in fresh ``python train.py fit`` processes, round after
+Why: ``benchmarks.fits.compare`` times every variant in fresh ``python train.py fit`` processes, round after
 round. On a shared host whose speed drifts by tens of percent over tens of seconds, whole rounds
 disagree, and 8 rounds leave the custom_ddp / ddp ratio an interval 20 % wide
 (``results/compare_localbn_zen3``): the target (custom_ddp with local BN at most 1.00x ddp tuned,
@@ -14,7 +14,7 @@ disagree, and 8 rounds leave the custom_ddp / ddp ratio an interval 20 % wide
 rank runs Lightning fits back to back, alternating the variants (A B, B A, A B, ...): the two fits of
 a pair run seconds apart and share the host's state of those seconds. Each fit is built as
 ``python train.py fit`` builds it (``train.main(args, run=False)``, then ``trainer.fit``) with the
-flags of compare's timed fits (:func:`benchmarks.compare_runs.fit_flags`): its own model, data,
+flags of compare's timed fits (:func:`benchmarks.fits.compare_runs.fit_flags`): its own model, data,
 Trainer and strategy (DDP's reducer, custom_ddp's buckets and shared memory), warm-up steps, then
 timed optimizer steps under ``BenchmarkMonitor`` (kept: the slowest rank's time of every step). What
 differs from compare's fits: the process start, and the process group, created by the first fit and
@@ -47,8 +47,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import compare_runs
-from benchmarks.compare_runs import (
+from benchmarks.fits import compare_runs
+from benchmarks.fits.compare_runs import (
     MATCHED_THREADS,
     REPO_ROOT,
     VARIANTS,
@@ -124,7 +124,7 @@ def _run_workers(cfg: dict[str, Any]) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(cfg))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command = [*torchrun, "-m", "benchmarks.paired_fits", "--worker", str(work / "config.json")]
+    command = [*torchrun, "-m", "benchmarks.fits.paired_fits", "--worker", str(work / "config.json")]
     call_logged(command, work / "paired_fits.txt", cfg["timeout_s"], MATCHED_THREADS)
     timing = json.loads((work / _TIMING_FILE).read_text())
     # Each fit's run description (strategy options, versions: the same in every pair) kept on the first
@@ -250,7 +250,10 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], flo
     two_process = [name for name, v in VARIANTS.items() if v.processes == 2]
     help_variants = "variants fitted in turn (2-process ones); ratios need both of their variants"
     p = fits_parser(
-        "paired_fits", __doc__, NETS, {"choices": two_process, "default": list(DEFAULT_VARIANTS), "help": help_variants}
+        "fits.paired_fits",
+        __doc__,
+        NETS,
+        {"choices": two_process, "default": list(DEFAULT_VARIANTS), "help": help_variants},
     )
     p.add_argument("--pairs", type=int, default=30, help="pairs of fits per net and accumulation setting")
     args = parse(p, argv)
@@ -280,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     cfg, max_wait_s = parse_config(argv)
     os.chdir(REPO_ROOT)  # train.py's data/ folder and the recorded relative paths
     record = run_benchmark(
-        "paired_fits", cfg, argv, write, lambda: {"timing": _run_workers(cfg)}, cfg["out"], max_wait_s
+        "fits.paired_fits", cfg, argv, write, lambda: {"timing": _run_workers(cfg)}, cfg["out"], max_wait_s
     )
     shutil.rmtree(Path(cfg["out"], "work"))  # only now: a failure in the analysis keeps the runs' timing.json
     return record

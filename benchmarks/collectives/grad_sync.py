@@ -1,7 +1,7 @@
 """Gradient synchronisation benchmark: SyncedDataParallel's modes against torch DDP, plus ZeRO-1.
 
-    python -m benchmarks.grad_sync                                # about 12 minutes on 2 cores
-    python -m benchmarks.grad_sync --quick --out /tmp/grad_sync   # smoke run
+    python -m benchmarks.collectives.grad_sync                                # about 12 minutes on 2 cores
+    python -m benchmarks.collectives.grad_sync --quick --out /tmp/grad_sync   # smoke run
 
 Two ranks (gloo, one thread each) train a deep MLP and a torchvision ResNet-18 (SGD, momentum, a
 fixed batch per rank): SyncedDataParallel's four modes, ``bucketed`` at 1-1000 MiB caps, its buckets
@@ -31,7 +31,7 @@ import torchvision
 from torch import nn
 
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
-from benchmarks.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
+from benchmarks.collectives.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
 from benchmarks.harness import interleave, parse, parser, run_benchmark, settings, slowest_ranks
 from collectives.launcher import run_workers
 from measure.collective_count import Window, count_collectives
@@ -221,7 +221,7 @@ def _zero1(model: str, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser("grad_sync", __doc__)
+    p = parser("collectives.grad_sync", __doc__)
     p.add_argument("--models", nargs="+", choices=("mlp", "resnet18"), default=["mlp", "resnet18"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
     p.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps = {m: measure_model(m, variants, cfg) for m in args.models}
         return {"steps": steps, "zero1": [_zero1(m, n, cfg) for m in args.models for n in (2, 4)]}
 
-    return run_benchmark("grad_sync", config, argv, write, measure, args.out, args.max_wait_s)
+    return run_benchmark("collectives.grad_sync", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

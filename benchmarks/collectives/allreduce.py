@@ -1,7 +1,7 @@
 """All-reduce benchmark: hand-written ring and butterfly vs ``dist.all_reduce``, and gloo's bandwidth.
 
-    python -m benchmarks.allreduce                                # about 8 minutes on 2 cores
-    python -m benchmarks.allreduce --quick --out /tmp/allreduce   # smoke run
+    python -m benchmarks.collectives.allreduce                                # about 8 minutes on 2 cores
+    python -m benchmarks.collectives.allreduce --quick --out /tmp/allreduce   # smoke run
 
 Part 1: ``collectives.allreduce.ring_all_reduce``, ``butterfly_all_reduce`` and ``dist.all_reduce``
 + divide average float32 vectors of 1,000-100,000 elements on 1-32 gloo ranks (interleaved rounds
@@ -323,7 +323,7 @@ def write(record: dict[str, Any], out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser("allreduce", __doc__)
+    p = parser("collectives.allreduce", __doc__)
     help_device = "bandwidth part: cpu = gloo, cuda = NCCL on the visible GPUs"
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=help_device)
     p.add_argument("--parts", nargs="+", choices=("compare", "bandwidth"), default=["compare", "bandwidth"])
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         compare = run_compare(cfg, args.seed, cores) if "compare" in parts else []
         return {"compare": compare, "bandwidth": run_bandwidth(cfg, args.device, cores) if "bandwidth" in parts else []}
 
-    return run_benchmark("allreduce", config, argv, write, measure, args.out, args.max_wait_s)
+    return run_benchmark("collectives.allreduce", config, argv, write, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit. The
 flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`), its reading
 (:func:`read_monitor`), :func:`call_logged` and the options and settings both share (:func:`fits_parser`,
-:func:`run_settings`, :func:`step_rows`) serve ``benchmarks.paired_fits`` too, which runs the fits in-process."""
+:func:`run_settings`, :func:`step_rows`) serve ``benchmarks.fits.paired_fits`` too, which runs the fits in-process."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from benchmarks.report import fmt_value, table
 from collectives.launcher import without_launch_variables
 from measure.timing import slowest_rank
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
 BASE_CONFIG = "configs/cifar100_template_net.yaml"
 _CUSTOM, _DDP = "strategies.custom_ddp.CustomDDPStrategy", "lightning.pytorch.strategies.DDPStrategy"

@@ -1,6 +1,6 @@
 """Per-rank peak-RSS growth while validating a large evaluation set under ``custom_ddp`` (2 CPU ranks).
 
-    python -m benchmarks.eval_memory          # about 30 seconds
+    python -m benchmarks.costs.eval_memory          # about 30 seconds
 
 Scatter evaluation sends sample *indices*: no rank should hold more of the evaluation set than it
 reads. Each rank builds the same float32 set (``--mb`` MiB) in ``val_dataloader``; the kernel's
@@ -74,7 +74,7 @@ def _publish(record: dict, out: Path) -> None:  # not write(): kept as measured,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser("eval_memory", __doc__)
+    p = parser("costs.eval_memory", __doc__)
     p.add_argument("--mb", type=float, default=260.0, help="evaluation set size in MiB (float32; --quick: 16)")
     p.add_argument("--batch-size", type=int, default=256)
     args = parse(p, argv)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"eval_set_bytes": num_samples * 4 * torch.Size(_SAMPLE_SHAPE).numel(), "ranks": ranks}
 
     config = {"num_samples": num_samples, "batch_size": args.batch_size}
-    return run_benchmark("eval_memory", config, argv, _publish, measure, args.out, args.max_wait_s)
+    return run_benchmark("costs.eval_memory", config, argv, _publish, measure, args.out, args.max_wait_s)
 
 
 if __name__ == "__main__":

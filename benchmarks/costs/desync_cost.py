@@ -11,7 +11,7 @@ process group with it, where the check sees them. Nets: the
 quickstart's template net (batch 128 per rank, 1 BatchNorm layer) and CIFAR ResNet-18 (batch 8
 per rank, 20 BatchNorm layers: the per-collective cost shows)::
 
-    python -m benchmarks.desync_cost          # about 2 minutes on 2 cores
+    python -m benchmarks.costs.desync_cost          # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -106,10 +106,12 @@ def _publish(record: dict[str, Any], out: Path) -> None:  # not write(): the rec
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, rounds, steps = harness.parse_step_rounds("desync_cost", __doc__, argv, rounds=4, steps=8, quick=(1, 2))
+    args, rounds, steps = harness.parse_step_rounds("costs.desync_cost", __doc__, argv, rounds=4, steps=8, quick=(1, 2))
     measure = lambda: {"rows": [_net_row(net, rounds, steps) for net in NETS]}  # noqa: E731
     config = {"rounds": rounds, "steps": steps}
-    return harness.run_benchmark("desync_cost", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False)
+    return harness.run_benchmark(
+        "costs.desync_cost", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False
+    )
 
 
 if __name__ == "__main__":
