@@ -77,6 +77,7 @@ _MEASUREMENT = [
     "benchmarks.batchnorm.syncbn",
     "benchmarks.batchnorm.syncbn_report",
     "benchmarks.collectives.allreduce",
+    "benchmarks.collectives.allreduce_report",
     "benchmarks.fits.compare",
     "benchmarks.fits.compare_runs",
 ]

@@ -4,6 +4,7 @@ docs/evaluation.md and docs/training-conformance.md) must match the committed re
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import shutil
@@ -118,6 +119,16 @@ def test_each_benchmark_heads_its_section_with_human_labels():
     for title in ("custom_ddp vs Lightning ddp", "Gradient synchronisation", "SyncBatchNorm", "All-reduce"):
         assert f"**{title}" in block, title
     assert "step_ratio_" not in block and "_vs_" not in block
+
+
+def test_every_record_names_a_module_with_its_title_and_headline():
+    """A record's ``benchmark`` is the module the block loads: it has both (a module whose report moved out must
+    import them back, or the block heads its section with the module's dotted name). ``write`` is optional:
+    a record that kept no samples is left as measured."""
+    for path in sorted(RESULTS.glob("*/results.json")):
+        benchmark = json.loads(path.read_text())["benchmark"]
+        module = importlib.import_module(f"benchmarks.{benchmark}")
+        assert hasattr(module, "TITLE") and hasattr(module, "headline"), (path.parent.name, benchmark)
 
 
 def test_missing_markers_are_a_clear_error(tmp_path):

@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm  # private: torch's SyncBN kernels
 
 import parallel.batchnorm.syncbn
-from benchmarks.batchnorm.syncbn_report import headline, write
+from benchmarks.batchnorm.syncbn_report import TITLE, headline, write
 from benchmarks.harness import parse, parser, run_benchmark, slowest_ranks, timed_rounds
 from collectives.launcher import run_workers
 from measure.memory import allocated_peak, measure_peak
@@ -51,7 +51,8 @@ from parallel.batchnorm.syncbn_function import sync_batch_norm
 from parallel.host.host_exchange import open_shared_memory_exchange
 from parallel.host.host_reduce import open_shared_memory_all_reduce
 
-__all__ = ["headline", "main", "write"]  # the record's module: rederive and the results blocks load these
+# The record's module: rederive and the results blocks load TITLE, headline and write from here.
+__all__ = ["TITLE", "headline", "main", "write"]
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]

@@ -21,14 +21,13 @@ Part 2: ``dist.all_reduce`` of 1 MiB-1 GiB float32 on 2, 4, 6 processes (gloo; `
 NCCL, one GPU per rank): latency, algorithm bandwidth bytes / time and bus bandwidth algbw *
 2(N-1)/N (nccl-tests' definition); what does not fit in memory is skipped and recorded; each
 configuration runs in its own process group under a 5-minute limit. One intra-op thread per
-process. Analysis, headline and report: this module.
+process. Analysis, headline and report: :mod:`benchmarks.collectives.allreduce_report`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -36,19 +35,30 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.collectives.allreduce_report import METHOD_NAMES, PAIRS, TITLE, headline, write
 from benchmarks.harness import parse, parser, round_estimates, run_benchmark, settings, slowest_ranks, timed_rounds
-from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 from collectives.allreduce import butterfly_all_reduce, ring_all_reduce
 from collectives.launcher import run_workers
 from measure.memory import measure_peak
 from measure.stats import median_ci
 from measure.timing import aligned_seconds
 
+# The record's module: rederive and the results blocks load TITLE, headline and write from here.
+__all__ = [
+    "FULL",
+    "METHODS",
+    "QUICK",
+    "TITLE",
+    "bandwidth_row",
+    "compare_row",
+    "headline",
+    "main",
+    "run_compare",
+    "write",
+]
+
 MiB = 1 << 20
 CONFIG_LIMIT_S = 300.0  # the assignment's per-configuration limit
-TITLE = "All-reduce: ring vs butterfly vs dist.all_reduce, and bandwidth"
-RING_TARGET_RATIO, RING_TARGET_WORLD_SIZES, REL_ERR_TARGET = 1.5, (2, 4, 8), 1e-6
-SLOW_CALL_S = 2e-3  # between the fast mode (~0.3-0.5 ms at 2 ranks) and the ~3.5 ms stall mode
 FULL, QUICK = settings(
     {
         "compare_world_sizes": ([1, 2, 4, 8, 16, 32], [1, 2, 4]),
@@ -60,8 +70,6 @@ FULL, QUICK = settings(
         "bandwidth_bytes": ([1 * MiB, 10 * MiB, 100 * MiB, 1024 * MiB], [1 * MiB, 10 * MiB]),
     }
 )
-RATIOS = ("ring/all_reduce", "butterfly/all_reduce")
-_PAIRS = [key.split("/") for key in RATIOS]
 
 
 def _torch_average(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,7 +77,7 @@ def _torch_average(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.div_(dist.get_world_size())
 
 
-METHODS = {"ring": ring_all_reduce, "butterfly": butterfly_all_reduce, "all_reduce": _torch_average}
+METHODS = dict(zip(METHOD_NAMES, (ring_all_reduce, butterfly_all_reduce, _torch_average), strict=True))
 
 
 def _rank_data(seed: int, rank: int, numel: int) -> torch.Tensor:
@@ -177,7 +185,7 @@ def compare_row(world_size: int, numel: int, per_rank: list[dict], cores: int, r
         "numel": numel,
         "oversubscribed": world_size > cores,
         "threads": per_rank[0]["threads"],
-        **round_estimates(samples, run_length, _PAIRS),
+        **round_estimates(samples, run_length, PAIRS),
         "accuracy": {name: first["accuracy"][name] | {"identical": identical[name]} for name in METHODS},
         "memory": first["memory"],
         "samples_s": samples,
@@ -200,126 +208,6 @@ def bandwidth_row(row: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[s
         "busbw_GBps": {k: v * bus if k != "n" else v for k, v in algbw.items()},
         "samples_s": samples,
     }
-
-
-def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Ring (with its target) and butterfly over dist.all_reduce at the largest size, worst error, peak busbw."""
-    compare, rows = record["compare"], []
-    numel = max((r["numel"] for r in compare), default=0)
-    for row in (r for r in compare if r["numel"] == numel and r["world_size"] in RING_TARGET_WORLD_SIZES):
-        at = f"{numel:,} float32, {row['world_size']} ranks" + (" (time-shared cores)" if row["oversubscribed"] else "")
-        for key, target in zip(RATIOS, (RING_TARGET_RATIO, None), strict=True):
-            what = f"{key.split('/')[0]} / dist.all_reduce: time per call, {at}"
-            rows.append(headline_row(what, row["ratios"][key], "x", target))
-    if compare:
-        worst = max(r["accuracy"][m]["rel_err"] for r in compare for m in ("ring", "butterfly"))
-        what = "ring and butterfly: worst relative error vs the fp64 mean, every configuration"
-        rows.append(headline_row(what, worst, "", REL_ERR_TARGET))
-    ok = [r for r in record["bandwidth"] if r["status"] == "ok"]
-    if ok:
-        best = max(ok, key=lambda r: r["busbw_GBps"]["value"])
-        at = f"{best['backend']}, {fmt_bytes(best['bytes'])}, {best['world_size']} ranks"
-        rows.append(headline_row(f"dist.all_reduce peak bus bandwidth ({at})", best["busbw_GBps"], "GB/s"))
-    return rows
-
-
-def slow_call_share(samples_s: list[float]) -> float:
-    """The share of calls slower than ``SLOW_CALL_S``: how much of a bimodal time sits in the slow mode."""
-    return sum(t > SLOW_CALL_S for t in samples_s) / max(len(samples_s), 1)
-
-
-def _tables(record: dict[str, Any]) -> list[str]:
-    compare, cfg = record["compare"], record["config"]
-    times = [
-        [r["world_size"], r["oversubscribed"], f"{r['numel']:,}", *(fmt_value(r["median_s"][m], "s") for m in METHODS)]
-        + [fmt_value(r["ratios"][key]) for key in RATIOS]
-        + [" / ".join(f"{slow_call_share(r['samples_s'][m]):.0%}" for m in METHODS)]
-        for r in compare
-    ]
-    accuracy = [
-        [r["world_size"], f"{r['numel']:,}", m, f"{a['max_abs_err']:.1e}", f"{a['rel_err']:.1e}", a["identical"]]
-        + [fmt_bytes(r["memory"][m][key]) for key in ("torch_alloc_bytes", "extra_peak_bytes")]
-        for r in compare
-        for m, a in r["accuracy"].items()
-    ]
-    measured = {"median_s": "s", "algbw_GBps": "", "busbw_GBps": ""}  # key: unit
-    bandwidth = [
-        [fmt_bytes(r["bytes"]), r["world_size"], r["oversubscribed"], r["backend"]]
-        + [fmt_value(r[key], unit) if r["status"] == "ok" else "-" for key, unit in measured.items()]
-        + [r["status"]]
-        for r in record["bandwidth"]
-    ]
-    methods = " / ".join(METHODS)
-    return [
-        f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations per method after {cfg['warmup']} "
-        f"warm-up; wall time {record['wall_s']:.0f} s.",
-        "",
-        "## Time per call (float32 average)",
-        "",
-        *table(
-            f"ranks | time-shared | elements | {methods.replace('/', '|')} | ring / all_reduce | "
-            f"butterfly / all_reduce | calls > {SLOW_CALL_S * 1e3:g} ms ({methods})",
-            times,
-        ),
-        "",
-        "## Accuracy and memory (rank 0)",
-        "",
-        "`extra peak memory` grows only when a call cannot reuse freed heap pages; `torch alloc/call` is the "
-        "allocator-independent figure.",
-        "",
-        *table(
-            "ranks | elements | method | max abs err | rel err | same bits all ranks | torch alloc/call | "
-            "extra peak memory",
-            accuracy,
-        ),
-        "",
-        "## dist.all_reduce bandwidth",
-        "",
-        *table("size | ranks | time-shared | backend | latency | algbw GB/s | busbw GB/s | status", bandwidth),
-        "",
-    ]
-
-
-def _compare_panels(compare: list[dict[str, Any]], cores: int) -> list[Panel]:
-    """Time per call at the largest size per world size, and its ratio to dist.all_reduce."""
-    numel = max(r["numel"] for r in compare)
-    rows = sorted((r for r in compare if r["numel"] == numel), key=lambda r: r["world_size"])
-    groups = [f"{r['world_size']}{'*' * r['oversubscribed']} rank{'s' * (r['world_size'] > 1)}" for r in rows]
-    title = f"float32 average, {numel:,} elements (* time-shared: more ranks than {cores} cores)"
-    times = {m: [r["median_s"][m] for r in rows] for m in METHODS}
-    ratio = {
-        key.replace("/", " / "): [r["ratios"][key] if r["world_size"] > 1 else None for r in rows] for key in RATIOS
-    }
-    lines = {"1": 1.0, f"ring target {RING_TARGET_RATIO}x": RING_TARGET_RATIO}
-    return [
-        Panel(title, "median ms per call", groups, times, scale=1e3, log=True),
-        Panel("time relative to dist.all_reduce", "ratio of medians", groups, ratio, lines=lines),
-    ]
-
-
-def _bandwidth_panels(ok: list[dict[str, Any]]) -> list[Panel]:
-    """dist.all_reduce's latency and bus bandwidth per size, a series per world size."""
-    sizes, world_sizes = sorted({r["bytes"] for r in ok}), sorted({r["world_size"] for r in ok})
-    at = {(r["world_size"], r["bytes"]): r for r in ok}
-    shown = {"latency": ("median_s", "median ms", 1e3), "bus bandwidth": ("busbw_GBps", "GB/s", 1.0)}
-    return [
-        Panel(f"dist.all_reduce {name}", unit, [fmt_bytes(b) for b in sizes], series, scale, log=True)
-        for name, (key, unit, scale) in shown.items()
-        for series in [{f"{ws} ranks": [at.get((ws, b), {}).get(key) for b in sizes] for ws in world_sizes}]
-    ]
-
-
-def write(record: dict[str, Any], out_dir: Path) -> None:
-    """Write results.json, results.md and allreduce.png for ``record`` into ``out_dir``."""
-    # compare_row's estimates again, from the kept samples, so a stored record re-derives the same way
-    for row in record["compare"]:
-        row.update(round_estimates(row["samples_s"], record["config"]["iters"], _PAIRS))
-    record["headline"] = headline(record)
-    ok = [r for r in record["bandwidth"] if r["status"] == "ok"]
-    panels = (_compare_panels(record["compare"], record["config"]["cores"]) if record["compare"] else []) + (
-        _bandwidth_panels(ok) if ok else []
-    )
-    publish(out_dir, record, TITLE, _tables(record), {"allreduce.png": (TITLE, panels)})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
