@@ -8,7 +8,8 @@ import pytest
 from entry_points import quick_benchmark_record
 
 from benchmarks.fits.compare import analyse, headline, parse_config
-from benchmarks.fits.compare_runs import MATCHED_THREADS, VARIANTS, fit_flags, variants_for
+from benchmarks.fits.compare_runs import fit_flags
+from benchmarks.fits.variants import MATCHED_THREADS, VARIANTS, variants_for
 from benchmarks.harness import SCHEMA, Quietness, make_record
 
 _VARIANTS = {k: asdict(v) for k, v in VARIANTS.items()}

@@ -80,6 +80,8 @@ _MEASUREMENT = [
     "benchmarks.collectives.allreduce_report",
     "benchmarks.fits.compare",
     "benchmarks.fits.compare_runs",
+    "benchmarks.fits.compare_report",
+    "benchmarks.fits.variants",
 ]
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from entry_points import quick_benchmark_record
 
-from benchmarks.fits.compare_runs import MATCHED_THREADS
 from benchmarks.fits.paired_fits import _target_verdict, analyse, headline, parse_config
+from benchmarks.fits.variants import MATCHED_THREADS
 from benchmarks.harness import SCHEMA
 
 

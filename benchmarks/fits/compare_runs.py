@@ -1,5 +1,5 @@
 """How compare drives its runs: fresh ``python train.py fit`` processes, as a user types them, per
-variant of :data:`VARIANTS`; a timed fit, a collective count and a full-schedule accuracy fit. The
+variant (:mod:`benchmarks.fits.variants`); a timed fit, a collective count and a full-schedule accuracy fit. The
 flags of a timed fit (:func:`fit_flags`, :func:`short_fit_flags`, :func:`monitor_flags`), its reading
 (:func:`read_monitor`), :func:`call_logged` and the options and settings both share (:func:`fits_parser`,
 :func:`run_settings`, :func:`step_rows`) serve ``benchmarks.fits.paired_fits`` too, which runs the fits in-process."""
@@ -16,113 +16,16 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fits.variants import BASE_CONFIG, VARIANTS, flag
 from benchmarks.harness import interleave, medians, parser
 from benchmarks.report import fmt_value, table
 from collectives.launcher import without_launch_variables
 from measure.timing import slowest_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
-BASE_CONFIG = "configs/cifar100_template_net.yaml"
-_CUSTOM, _DDP = "strategies.custom_ddp.CustomDDPStrategy", "lightning.pytorch.strategies.DDPStrategy"
-# Per net: batch per process, warm-up and timed optimizer steps of a timing run. ResNet-18's CIFAR
-# stem keeps 32x32 maps in its first stage: ~0.2 s per 8-image micro-batch on one core.
-NETS = {
-    "template": {"batch_size": 32, "warmup_steps": 3, "steps": 16},
-    "resnet18": {"batch_size": 8, "warmup_steps": 2, "steps": 8},
-}
-# One GPU (issue 45): ResNet-18 at batch 256 in bf16, one process; its steps are bound by kernel launches (~20 ms).
-GPU = {"accelerator": "gpu", "devices": 1, "precision": "bf16-mixed", "train_size": 36_000}
-GPU_NETS = {"resnet18": {"batch_size": 256, "warmup_steps": 20, "steps": 100}}
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One compared configuration: a label, what it is, its ``train.py`` strategy flags, where it runs."""
-
-    label: str
-    description: str
-    flags: tuple[str, ...]
-    processes: int = 2
-    threads: int | None = None  # OMP_NUM_THREADS of the run; None: the launcher's or torch's default
-    nets: tuple[str, ...] = ("template", "resnet18")
-
-
-def _flag(name: str, value: object) -> str:
-    return f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
-
-
-def _strategy(path: str, **options: object) -> tuple[str, ...]:
-    return (_flag("trainer.strategy", path), *(_flag(f"trainer.strategy.{k}", v) for k, v in options.items()))
-
-
-VARIANTS: dict[str, Variant] = {
-    "custom_ddp": Variant(
-        "custom_ddp (SyncBN)",
-        "hand-written SyncBatchNorm, bucketed accumulation-aware gradient sync (25 MiB buckets), "
-        "broadcast_buffers=true (nothing to send: every buffer is a SyncBN statistic)",
-        _strategy(_CUSTOM, sync_batchnorm=True, broadcast_buffers=True),
-    ),
-    "custom_ddp_compiled": Variant(
-        "custom_ddp (SyncBN, compiled)",
-        "syncbn_compile=true: the SyncBatchNorm passes torch.compile'd (compiled during the warm-up steps; "
-        "inductor's disk cache shared by the runs)",
-        _strategy(_CUSTOM, sync_batchnorm=True, syncbn_compile=True),
-    ),
-    # Compared with ddp_tuned, which broadcasts no buffers: the same setting on both sides.
-    "custom_ddp_localbn": Variant(
-        "custom_ddp (local BN)",
-        "sync_batchnorm=false: local BatchNorm like ddp on CPU; broadcast_buffers=false like ddp tuned "
-        "(forward_sync_buffers=false); grad_transport=auto: buckets summed in shared memory (one host)",
-        _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False),
-    ),
-    # The same with gloo summing the buckets over TCP loopback: what grad_transport=auto's shared memory changes.
-    "custom_ddp_localbn_gloo": Variant(
-        "custom_ddp (local BN, gloo transport)",
-        "custom_ddp (local BN) with grad_transport=process_group: buckets summed by dist.all_reduce over gloo",
-        _strategy(_CUSTOM, sync_batchnorm=False, broadcast_buffers=False, grad_transport="process_group"),
-    ),
-    "ddp_default": Variant(
-        "ddp default (local BN)",
-        "Lightning ddp as it comes: gradient_as_bucket_view=False, forward_sync_buffers=True (rank 0's BN buffers "
-        "broadcast every forward)",
-        _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True),
-    ),
-    "ddp_tuned": Variant(
-        "ddp tuned (local BN)",
-        "gradient_as_bucket_view=True, forward_sync_buffers=False",
-        _strategy(_DDP, gradient_as_bucket_view=True, forward_sync_buffers=False),
-    ),
-    "custom_ddp_bf16": Variant(
-        "custom_ddp (SyncBN), bf16 gradients",
-        "grad_compression=bf16: buckets all-reduced in bfloat16 by gloo (compression turns grad_transport=auto's "
-        "shared memory off: its ratio to custom_ddp includes the transport)",
-        _strategy(_CUSTOM, sync_batchnorm=True, grad_compression="bf16"),
-        nets=("resnet18",),
-    ),
-    "single_matched": Variant(
-        f"1 process, {MATCHED_THREADS} thread{'s' * (MATCHED_THREADS > 1)}",
-        "thread-matched to each 2-process rank: no communication",
-        _strategy("auto"),
-        1,
-        MATCHED_THREADS,
-    ),
-    "single": Variant(
-        "1 process, all cores",
-        "torch's default threads: what a user of this machine would run instead",
-        _strategy("auto"),
-        1,
-    ),
-}
-
-
-def variants_for(net: str) -> list[str]:
-    """The variants timed on ``net``, in the interleaving order."""
-    return [name for name, variant in VARIANTS.items() if net in variant.nets]
 
 
 def fits_parser(name: str, doc: str | None, nets: Sequence[str], variants: dict[str, str]) -> argparse.ArgumentParser:
@@ -188,9 +91,9 @@ def fit_flags(
     own = {"trainer.devices": devices, "trainer.accumulate_grad_batches": accumulate}
     own |= ({"trainer.precision": cfg["precision"]} if "precision" in cfg else {}) | flags
     return [
-        *(_flag(k, x) for k, x in shared.items()),
+        *(flag(k, x) for k, x in shared.items()),
         *VARIANTS[variant].flags,
-        *(_flag(k, x) for k, x in own.items()),
+        *(flag(k, x) for k, x in own.items()),
         *callback,
     ]
 
@@ -229,7 +132,7 @@ def _short_fit(
 
 def monitor_flags(warmup_steps: int) -> tuple[str, str]:
     """``BenchmarkMonitor`` as the fit's only callback, leaving ``warmup_steps`` out of its statistics."""
-    return "--trainer.callbacks=callbacks.BenchmarkMonitor", _flag("trainer.callbacks.warmup_steps", warmup_steps)
+    return "--trainer.callbacks=callbacks.BenchmarkMonitor", flag("trainer.callbacks.warmup_steps", warmup_steps)
 
 
 def read_monitor(run_dir: Path, micro_batches: bool = False) -> dict[str, Any]:
@@ -259,7 +162,7 @@ def collectives_run(cfg: dict[str, Any], net: str, variant: str, accumulate: int
     name = f"{net}_{variant}_acc{accumulate}_collectives"
     counter = (
         "--trainer.callbacks=callbacks.CollectiveCounter",
-        _flag("trainer.callbacks.out_dir", Path(cfg["out"], "work", name)),
+        flag("trainer.callbacks.out_dir", Path(cfg["out"], "work", name)),
     )
     command, _, run_dir = _short_fit(cfg, net, variant, accumulate, name, 3, *counter)
     windows = [w for w in json.loads((run_dir / "collectives_rank0.json").read_text()) if w["batch_idx"] is not None]

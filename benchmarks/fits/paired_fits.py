@@ -47,11 +47,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fits import compare_runs
 from benchmarks.fits.compare_runs import (
-    MATCHED_THREADS,
     REPO_ROOT,
-    VARIANTS,
     call_logged,
     fit_flags,
     fits_parser,
@@ -64,13 +61,15 @@ from benchmarks.fits.compare_runs import (
     step_rows,
     step_table,
 )
+from benchmarks.fits.variants import MATCHED_THREADS, VARIANTS
+from benchmarks.fits.variants import NETS as COMPARE_NETS
 from benchmarks.harness import medians, parse, ratios, run_benchmark, verdict
 from benchmarks.report import fmt_value, publish, table
 from measure.stats import pair_ratio_ci, paired_ratio_ci
 
 # Per net: batch per process, warm-up and timed optimizer steps of one fit (compare's, with fewer timed
 # ResNet-18 steps: more pairs of shorter fits pin the ratio down better than fewer long ones).
-NETS = compare_runs.NETS | {"resnet18": compare_runs.NETS["resnet18"] | {"steps": 4}}
+NETS = COMPARE_NETS | {"resnet18": COMPARE_NETS["resnet18"] | {"steps": 4}}
 TITLE = "custom_ddp vs Lightning ddp, paired fits in one pair of CPU ranks, synthetic data"
 DEFAULT_VARIANTS = ("custom_ddp_localbn", "ddp_tuned")
 RATIOS = (
