@@ -21,8 +21,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 
-from conformance.lightning_suite import run, swap
-from conformance.lightning_suite.outcomes import compare, parse_junit, parse_verbose_log
+from conformance.lightning_suite import pytest_run, run, swap
+from conformance.lightning_suite.outcomes import compare, outcome_table, parse_junit, parse_verbose_log
 from conformance.lightning_suite.selection import expected_difference
 from strategies import CustomDDPStrategy
 
@@ -189,7 +189,7 @@ def _record(tmp_path: Path) -> dict[str, Any]:
             {**launch, "strategy": "CustomDDPStrategy", "num_processes": 1},
         ],
     }
-    table = run.tests_table(outcomes, launches, standalone={UNUSED})
+    table = outcome_table(outcomes, launches, standalone={UNUSED})
     summary = compare(table, expected_difference, launches)
     environment = {"versions": {"torch": "2.x", "lightning": "2.6.6"}, "cpu_count": 2, "date": "today"}
     environment["lightning_tests"] = {"version": "2.6.5"}
@@ -239,14 +239,34 @@ def test_a_hung_run_is_killed_with_its_processes_and_its_running_test_times_out(
     log = tmp_path / "run.log"
     started = time.monotonic()
     # 10 s: room for the child to start and print on a loaded 2-core machine before it is killed.
-    assert run._run_process([sys.executable, "-c", hang], dict(os.environ), tmp_path, log, timeout=10) is None
+    assert pytest_run.run_process([sys.executable, "-c", hang], dict(os.environ), tmp_path, log, timeout=10) is None
     assert time.monotonic() - started < 40
     text = log.read_text()
-    assert _state(int(text.split()[0])) in ("gone", "Z")  # the rank it started went with it
+    rank, deadline = int(text.split()[0]), time.monotonic() + 10
+    while _state(rank) not in ("gone", "Z") and time.monotonic() < deadline:  # SIGKILL lands when it is scheduled
+        time.sleep(0.05)
+    assert _state(rank) in ("gone", "Z")  # the rank it started went with it
     assert parse_verbose_log(text, "tests_pytorch/a.py", "timeout", "killed") == {
         "tests_pytorch/a.py::test_ok": {"outcome": "passed"},
         "tests_pytorch/a.py::test_hang": {"outcome": "timeout", "message": "killed"},
     }
+
+
+def test_what_a_run_left_in_the_tests_folder_is_removed_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "kept.ckpt").write_text("before")
+    before = pytest_run.files_under(tmp_path)
+    (tmp_path / "checkpoints" / "epoch=0-step=2.ckpt").write_text("left")
+    (tmp_path / "lightning_logs" / "version_0" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").write_text("left")
+    removed = pytest_run.remove_left_behind(tmp_path, before)
+    assert {path.relative_to(tmp_path).as_posix() for path in removed} == {
+        "checkpoints/epoch=0-step=2.ckpt",
+        "lightning_logs",
+        "lightning_logs/version_0",
+        "lightning_logs/version_0/hparams.yaml",
+    }
+    assert pytest_run.files_under(tmp_path) == before
 
 
 def test_the_manuals_block_matches_the_committed_record() -> None:

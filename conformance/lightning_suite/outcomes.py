@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CUSTOM_CLASS", "MODES", "compare", "launch_counts", "parse_junit", "parse_verbose_log", "render_markdown"]
-__all__ += ["worse"]
+__all__ += ["outcome_table", "worse"]
 
 MODES = ("ddp", "custom_ddp")
 CUSTOM_CLASS = "CustomDDPStrategy"  # the class name the plugin logs for a custom_ddp launch
@@ -118,6 +118,24 @@ def _launched(launches: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         # Launched under ddp, but never by custom_ddp when swapped: the swap did not reach these.
         "not_swapped": sorted(set(launch_counts(launches["ddp"])) - set(custom)),
     }
+
+
+def outcome_table(
+    outcomes: dict[str, dict[str, dict[str, str]]], launches: dict[str, list[dict[str, Any]]], standalone: set[str]
+) -> dict[str, dict[str, Any]]:
+    """``{test id: {mode: outcome, "messages": {mode: first line}, "launches": {mode: n}, "standalone": True}}``."""
+    counts = {mode: launch_counts(launches[mode]) for mode in MODES}
+    tests: dict[str, dict[str, Any]] = {}
+    for test_id in sorted(set().union(*outcomes.values())):
+        results = {mode: outcomes[mode][test_id] for mode in MODES if test_id in outcomes[mode]}
+        entry: dict[str, Any] = {mode: result["outcome"] for mode, result in results.items()}
+        messages = {mode: result["message"] for mode, result in results.items() if result.get("message")}
+        launched = {mode: counts[mode][test_id] for mode in MODES if counts[mode][test_id]}
+        for key, value in (("messages", messages), ("launches", launched), ("standalone", test_id in standalone)):
+            if value:
+                entry[key] = value
+        tests[test_id] = entry
+    return tests
 
 
 def _per_mode(tests: dict[str, dict[str, Any]], mode: str) -> dict[str, int]:

@@ -4,7 +4,9 @@ Each selected test file (:mod:`conformance.lightning_suite.selection`) runs in a
 once per mode, from Lightning's ``tests/`` folder; then each standalone test, alone, with
 ``PL_RUN_STANDALONE_TESTS=1`` (as Lightning's CI). Every run loads the plugin
 :mod:`conformance.lightning_suite.swap`, writes JUnit XML and is killed after ``--timeout`` seconds
-(a hang is a ``timeout`` outcome of the test it was in). The outcomes per test and mode, the launches
+(a hang is a ``timeout`` outcome of the test it was in); what a run leaves in the tests folder (a
+checkpoint of a fit that was to fail) is removed, so the next run meets the folder as it was
+(:mod:`conformance.lightning_suite.pytest_run`). The outcomes per test and mode, the launches
 of 2+ processes and the comparison go to ``conformance/results/lightning_suite/results.json`` and
 ``results.md``. Getting Lightning's tests and their extra dependencies, not in this project's venv::
 
@@ -12,6 +14,7 @@ of 2+ processes and the comparison go to ``conformance/results/lightning_suite/r
     pip install --target /tmp/pl-extra cloudpickle scikit-learn
     PYTHONPATH=/tmp/pl-extra python -m conformance.lightning_suite.run --tests /tmp/pl/tests   # ~50 min, 2 cores
     python -m conformance.lightning_suite.run --tests /tmp/pl/tests --quick     # a smoke run, into a temp folder
+    python -m conformance.lightning_suite.run --tests /tmp/pl/tests --work /tmp/ls   # killed? the same again resumes
     python -m conformance.lightning_suite.run --write-docs docs/training-conformance.md
 
 Without ``--tests`` nothing runs: the summary of the recorded ``results.json`` is derived again (after a
@@ -26,8 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,25 +40,21 @@ from typing import Any
 import lightning
 
 from benchmarks.readme_block import replace_block
-from collectives.launcher import without_launch_variables
 from conformance.lightning_suite import selection
 from conformance.lightning_suite.outcomes import (
     MODES,
     compare,
-    launch_counts,
-    parse_junit,
-    parse_verbose_log,
+    outcome_table,
     render_markdown,
     worse,
 )
-from conformance.lightning_suite.swap import LAUNCH_LOG_ENV, SWAP_ENV
+from conformance.lightning_suite.pytest_run import run_target
 from measure.run_info import display_path, environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "lightning_suite"
 BEGIN, END = "<!-- lightning-suite:begin -->", "<!-- lightning-suite:end -->"
 PAGE = REPO_ROOT / "docs" / "training-conformance.md"  # the manual's page that holds the block
-PLUGIN = "conformance.lightning_suite.swap"
 EXTRA_DEPENDENCIES = {"cloudpickle": "cloudpickle", "sklearn": "scikit-learn"}  # module: package
 
 
@@ -109,86 +106,6 @@ def _check_extra_dependencies() -> None:
         )
 
 
-def _pytest_env(tests: Path, mode: str, launch_log: Path, standalone: bool) -> dict[str, str]:
-    # No rendezvous variables of an outer launch (a run inheriting LOCAL_RANK would act as a popen rank),
-    # no switch or pytest option of the caller's own test run.
-    env = without_launch_variables(dict(os.environ))
-    for name in (SWAP_ENV, "PL_RUN_STANDALONE_TESTS", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), str(tests), env.get("PYTHONPATH")) if p)
-    env[LAUNCH_LOG_ENV] = str(launch_log)
-    if mode == "custom_ddp":
-        env[SWAP_ENV] = "1"
-    if standalone:
-        env["PL_RUN_STANDALONE_TESTS"] = "1"
-    return env
-
-
-def _run_process(command: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int | None:
-    """The exit status, or ``None`` when killed after ``timeout`` seconds. The run gets a session of its own:
-    its whole process group goes at the end, with any rank or worker left behind."""
-    with log.open("w") as output:
-        process = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            status: int | None = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = None
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # the group is gone: nothing left behind
-        process.wait()
-    return status
-
-
-def run_target(tests: Path, target: str, mode: str, standalone: bool, work: Path, timeout: float) -> dict[str, Any]:
-    """One pytest of ``target`` (a file, or a standalone test's node id) in ``mode``: its outcomes and run record."""
-    name = f"{mode}-{len(list(work.glob(f'{mode}-*.log'))):03d}"
-    junit, log = work / f"{name}.xml", work / f"{name}.log"
-    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-v", f"--rootdir={tests}"]
-    command += ["-o", "junit_family=xunit1", f"--junitxml={junit}", target]
-    if not standalone:
-        command += ["-k", selection.k_expression(target)]
-    start = time.monotonic()
-    env = _pytest_env(tests, mode, work / f"launches-{mode}.jsonl", standalone)
-    status = _run_process(command, env, tests, log, timeout)
-    if status is None:
-        why = f"no result after {timeout:.0f} s: the run was killed"
-        results = parse_verbose_log(log.read_text(errors="replace"), target, "timeout", why)
-    elif not junit.is_file():
-        why = f"pytest ended with status {status} and no report: see its log"
-        results = parse_verbose_log(log.read_text(errors="replace"), target, "error", why)
-    else:
-        results = parse_junit(junit)
-    run = {"target": target, "mode": mode, "status": status, "seconds": round(time.monotonic() - start, 1)}
-    print(f"{mode:>10} {run['seconds']:6.1f} s status {status} {target} ({display_path(str(log))})", flush=True)
-    return {"run": run, "results": results}
-
-
-def _read_launches(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def tests_table(
-    outcomes: dict[str, dict[str, dict[str, str]]], launches: dict[str, list[dict[str, Any]]], standalone: set[str]
-) -> dict[str, dict[str, Any]]:
-    """``{test id: {mode: outcome, "messages": {mode: first line}, "launches": {mode: n}, "standalone": True}}``."""
-    counts = {mode: launch_counts(launches[mode]) for mode in MODES}
-    tests: dict[str, dict[str, Any]] = {}
-    for test_id in sorted(set().union(*outcomes.values())):
-        results = {mode: outcomes[mode][test_id] for mode in MODES if test_id in outcomes[mode]}
-        entry: dict[str, Any] = {mode: result["outcome"] for mode, result in results.items()}
-        messages = {mode: result["message"] for mode, result in results.items() if result.get("message")}
-        launched = {mode: counts[mode][test_id] for mode in MODES if counts[mode][test_id]}
-        for key, value in (("messages", messages), ("launches", launched), ("standalone", test_id in standalone)):
-            if value:
-                entry[key] = value
-        tests[test_id] = entry
-    return tests
-
-
 def run_suite(tests: Path, suite: dict[str, Any], quick: bool, timeout: float, work: Path) -> dict[str, Any]:
     """Every selected target under both modes, one after the other per target; the results record."""
     files, standalone = (
@@ -196,17 +113,19 @@ def run_suite(tests: Path, suite: dict[str, Any], quick: bool, timeout: float, w
     )
     date, start = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     outcomes: dict[str, dict[str, dict[str, str]]] = {mode: {} for mode in MODES}
+    launches: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     runs = []
-    for target, alone in [(file, False) for file in files] + [(test, True) for test in standalone]:
+    targets = [(file, False) for file in files] + [(test, True) for test in standalone]
+    for index, (target, alone) in enumerate(targets):
         for mode in MODES:  # the two modes back to back: they meet the same machine load
-            done = run_target(tests, target, mode, alone, work, timeout)
+            done = run_target(tests, target, mode, alone, work / f"{mode}-{index:03d}", timeout)
             runs.append(done["run"])
+            launches[mode] += done["launches"]
             for test_id, result in done["results"].items():
                 # A standalone run replaces the file run's skip ("standalone only") of its test.
                 known = outcomes[mode].get(test_id)
                 outcomes[mode][test_id] = worse(known, result) if known and not alone else result
-    launches = {mode: _read_launches(work / f"launches-{mode}.jsonl") for mode in MODES}
-    table = tests_table(outcomes, launches, set(standalone))
+    table = outcome_table(outcomes, launches, set(standalone))
     return {
         "environment": {**environment(), "date": date, "lightning_tests": suite},
         "selection": {
@@ -217,7 +136,8 @@ def run_suite(tests: Path, suite: dict[str, Any], quick: bool, timeout: float, w
             "quick": quick,
             "timeout_s": timeout,
         },
-        "wall_s": round(time.monotonic() - start, 1),
+        "wall_s": round(time.monotonic() - start, 1),  # of this runner; a resumed one's is shorter
+        "pytest_s": round(sum(run["seconds"] for run in runs), 1),
         "summary": compare(table, selection.expected_difference, launches),
         "tests": table,
         "launches": launches,
@@ -263,7 +183,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help=f"results folder (default {display_path(str(DEFAULT_OUT))}; with --quick a temporary one)",
     )
-    parser.add_argument("--work", type=Path, help="logs and JUnit reports (default a new temporary folder)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="logs, JUnit reports, each run's record (default a new temporary folder); the folder of a killed "
+        "runner, given again, goes on where it stopped",
+    )
     parser.add_argument("--write-docs", type=Path, metavar="PAGE", help=f"replace the {BEGIN} block of PAGE")
     args = parser.parse_args(argv)
     if args.tests is None and (args.quick or args.work or args.tests_version):
