@@ -15,27 +15,26 @@ from pathlib import Path
 from typing import Any
 
 from collectives.launcher import without_launch_variables
-from conformance.lightning_suite import selection
+from conformance.lightning_suite import selection, swap
 from conformance.lightning_suite.outcomes import parse_junit, parse_verbose_log
-from conformance.lightning_suite.swap import LAUNCH_LOG_ENV, SWAP_ENV
 from measure.run_info import display_path
 
 __all__ = ["files_under", "pytest_env", "remove_left_behind", "run_process", "run_target"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = "conformance.lightning_suite.swap"
+PLUGIN = swap.__name__  # loaded into each pytest with -p
 
 
 def pytest_env(tests: Path, mode: str, launch_log: Path, standalone: bool) -> dict[str, str]:
     # No rendezvous variables of an outer launch (a run inheriting LOCAL_RANK would act as a popen rank),
     # no switch or pytest option of the caller's own test run.
     env = without_launch_variables(dict(os.environ))
-    for name in (SWAP_ENV, "PL_RUN_STANDALONE_TESTS", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
+    for name in (swap.SWAP_ENV, "PL_RUN_STANDALONE_TESTS", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), str(tests), env.get("PYTHONPATH")) if p)
-    env[LAUNCH_LOG_ENV] = str(launch_log)
+    env[swap.LAUNCH_LOG_ENV] = str(launch_log)
     if mode == "custom_ddp":
-        env[SWAP_ENV] = "1"
+        env[swap.SWAP_ENV] = "1"
     if standalone:
         env["PL_RUN_STANDALONE_TESTS"] = "1"
     env["PYTHONHASHSEED"] = "0"  # a message that prints a set (left artifacts) reads the same in every run
