@@ -158,21 +158,25 @@ def test_one_collective_per_forward_and_per_backward(tmp_path):
 def _single_rank_worker(rank: int, world_size: int) -> dict[str, object]:
     """A one-rank world: torch's native batch norm (the same bits as ``nn.BatchNorm1d``, no collective); with
     ``force_sync`` the hand-written kernel and its two collectives on the one-rank group."""
-    x = torch.randn(6, 4) + 3.0
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, generator=generator) + 3.0
+    # A random upstream gradient: d(sum(y**2))/dx is ~0 after BatchNorm's centring (the terms cancel), so its
+    # difference between two correct kernels is all rounding, and 1 seed in 500 put it past any fixed atol.
+    upstream = torch.randn(6, 4, generator=generator)
     result = {}
     for force_sync in (False, True):
         layer, reference = SyncBatchNorm(4, force_sync=force_sync), nn.BatchNorm1d(4)
         inputs = [x.clone().requires_grad_() for _ in range(2)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            layer(inputs[0]).square().sum().backward()
-        reference(inputs[1]).square().sum().backward()
+            layer(inputs[0]).backward(upstream)
+        reference(inputs[1]).backward(upstream)
         names = [event.name for event in prof.events()]
         result[force_sync] = {
             "collectives": sum(1 for name in names if name.startswith("c10d::")),
             "native": "aten::native_batch_norm" in names,
             "same_bits": torch.equal(inputs[0].grad, inputs[1].grad)
             and torch.equal(layer.running_var, reference.running_var),
-            "close": torch.allclose(inputs[0].grad, inputs[1].grad, atol=1e-5),
+            "close": torch.allclose(inputs[0].grad, inputs[1].grad, rtol=1e-4, atol=1e-5),
         }
     return result
 
