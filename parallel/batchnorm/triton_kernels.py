@@ -83,6 +83,60 @@ def moments_kernel(x_ptr, stats_ptr, total, S, stride_n, stride_c, stride_s, C, 
 
 
 @triton.jit
+def _gathered_row(gathered_ptr, rank, row, channel, inside, acc: tl.constexpr):
+    """Rank ``rank``'s gathered ``count`` and its per-channel ``mean``, widened to ``acc``."""
+    rank_row = gathered_ptr + rank * row
+    return tl.load(rank_row).to(acc), tl.load(rank_row + 1 + channel, mask=inside, other=0.0).to(acc)
+
+
+@triton.jit
+def _reference_and_count(gathered_ptr, world_size, row, channel, inside, acc: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The mean of the first rank with the most values (the same rank on every rank) and the global count."""
+    count = tl.zeros((), dtype=acc)
+    best = tl.full((), -1.0, dtype=acc)
+    reference = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count, rank_mean = _gathered_row(gathered_ptr, rank, row, channel, inside, acc)
+        reference = tl.where(rank_count > best, rank_mean, reference)
+        best = tl.maximum(best, rank_count)
+        count += rank_count
+    return reference, count
+
+
+@triton.jit
+def _mean_shift_and_var(
+    gathered_ptr, world_size, row, C, channel, inside, reference, count, acc: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """The global mean's distance from ``reference`` and the biased variance, from every rank's mean and M2 (Chan):
+    the means enter only as deviations from ``reference``, so nothing cancels."""
+    divisor = tl.maximum(count, 1.0)
+    shift_sum = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count, rank_mean = _gathered_row(gathered_ptr, rank, row, channel, inside, acc)
+        shift_sum += rank_count * (rank_mean - reference)
+    mean_shift = shift_sum / divisor
+    m2 = tl.zeros((BLOCK_C,), dtype=acc)
+    for rank in range(0, world_size):
+        rank_count, rank_mean = _gathered_row(gathered_ptr, rank, row, channel, inside, acc)
+        rank_m2 = tl.load(gathered_ptr + rank * row + 1 + C + channel, mask=inside, other=0.0).to(acc)
+        deviation = rank_mean - reference - mean_shift
+        m2 += rank_m2 + rank_count * deviation * deviation
+    return mean_shift, m2 / divisor
+
+
+@triton.jit
+def _update_running_stats(
+    running_mean_ptr, running_var_ptr, channel, inside, mean, var, count, momentum, acc: tl.constexpr
+):
+    """``running += momentum * (batch - running)``, with the unbiased variance (the caller knows count >= 2)."""
+    old_mean = tl.load(running_mean_ptr + channel, mask=inside, other=0.0).to(acc)
+    old_var = tl.load(running_var_ptr + channel, mask=inside, other=0.0).to(acc)
+    unbiased = var * (count / (count - 1.0))
+    tl.store(running_mean_ptr + channel, old_mean + momentum * (mean - old_mean), mask=inside)
+    tl.store(running_var_ptr + channel, old_var + momentum * (unbiased - old_var), mask=inside)
+
+
+@triton.jit
 def merge_kernel(
     gathered_ptr, own_ptr, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, out_ptr,
     world_size, C, momentum, eps,
@@ -96,33 +150,13 @@ def merge_kernel(
     inside = channel < C
     acc = out_ptr.dtype.element_ty
     row = 2 * C + 1
-    count = tl.zeros((), dtype=acc)
-    best = tl.full((), -1.0, dtype=acc)
-    reference = tl.zeros((BLOCK_C,), dtype=acc)
-    for rank in range(0, world_size):
-        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
-        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
-        reference = tl.where(rank_count > best, rank_mean, reference)
-        best = tl.maximum(best, rank_count)
-        count += rank_count
-    divisor = tl.maximum(count, 1.0)
-    shift_sum = tl.zeros((BLOCK_C,), dtype=acc)
-    for rank in range(0, world_size):
-        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
-        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
-        shift_sum += rank_count * (rank_mean - reference)
-    mean_shift = shift_sum / divisor
-    m2 = tl.zeros((BLOCK_C,), dtype=acc)
-    for rank in range(0, world_size):
-        rank_count = tl.load(gathered_ptr + rank * row).to(acc)
-        rank_mean = tl.load(gathered_ptr + rank * row + 1 + channel, mask=inside, other=0.0).to(acc)
-        rank_m2 = tl.load(gathered_ptr + rank * row + 1 + C + channel, mask=inside, other=0.0).to(acc)
-        deviation = rank_mean - reference - mean_shift
-        m2 += rank_m2 + rank_count * deviation * deviation
+    reference, count = _reference_and_count(gathered_ptr, world_size, row, channel, inside, acc, BLOCK_C)
+    mean_shift, var = _mean_shift_and_var(
+        gathered_ptr, world_size, row, C, channel, inside, reference, count, acc, BLOCK_C
+    )
     mean = reference + mean_shift
     own_mean = tl.load(own_ptr + 1 + 2 * C + channel, mask=inside, other=0.0).to(acc)
     offset = (reference - own_mean) + mean_shift
-    var = m2 / divisor
     invstd = 1.0 / tl.sqrt(var + eps)
     scale = invstd
     if HAS_WEIGHT:
@@ -130,12 +164,8 @@ def merge_kernel(
     shift = -offset * scale
     if HAS_BIAS:
         shift += tl.load(bias_ptr + channel, mask=inside, other=0.0).to(acc)
-    if UPDATE_RUNNING:  # the caller knows the batch has >= 2 values per channel
-        old_mean = tl.load(running_mean_ptr + channel, mask=inside, other=0.0).to(acc)
-        old_var = tl.load(running_var_ptr + channel, mask=inside, other=0.0).to(acc)
-        unbiased = var * (count / (count - 1.0))
-        tl.store(running_mean_ptr + channel, old_mean + momentum * (mean - old_mean), mask=inside)
-        tl.store(running_var_ptr + channel, old_var + momentum * (unbiased - old_var), mask=inside)
+    if UPDATE_RUNNING:
+        _update_running_stats(running_mean_ptr, running_var_ptr, channel, inside, mean, var, count, momentum, acc)
     tl.store(out_ptr + channel, mean, mask=inside)
     tl.store(out_ptr + C + channel, offset, mask=inside)
     tl.store(out_ptr + 2 * C + channel, invstd, mask=inside)
