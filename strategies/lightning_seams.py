@@ -41,7 +41,7 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     Seam(_MP, "_MultiProcessingLauncher", "launchers", "subclassed: the fork/spawn launcher"),
     Seam(f"{_MP}._MultiProcessingLauncher", "_wrapping_function", "launchers", "a worker's stage, then its exit"),
     Seam(_MP, "_disable_module_memory_sharing", "launchers", "forkserver workers' own copy of the module (CPU)"),
-    Seam(_POPEN, "_SubprocessScriptLauncher", "launchers, preemption", "subclassed: the popen launcher"),
+    Seam(_POPEN, "_SubprocessScriptLauncher", "launchers, popen_exit", "subclassed: the popen launcher"),
     Seam(
         f"{_POPEN}._SubprocessScriptLauncher",
         "_call_children_scripts",

@@ -3,6 +3,8 @@
 - ``preemption``: :class:`Preemption`, the component (the signal recorded, agreed on in the gradient buckets,
   the stop checkpoint written, every rank raising :class:`StopOnSignal`); :func:`stop_checkpoint_path`.
 - ``stop_signals``: handlers that only record, and the exit status ``128 + signum`` of a stopped run.
+- ``popen_exit``: a rank started by Lightning's popen launcher exits after local rank 0, whose status a scheduler
+  reads.
 - ``signal_forwarding``: :class:`SignalForwarding`, the launching process of fork/spawn/forkserver workers
   passes stop signals on to them; :func:`restore_in_worker`.
 

@@ -38,26 +38,25 @@ launcher's watcher.
 Lightning's per-batch ``_broadcast_sigterm_tensor`` stays: it broadcasts rank 0's
 ``trainer.received_sigterm``, which only Lightning's (replaced) handler sets, so it carries 0 and
 never stops one rank alone. Private Lightning behaviour this relies on (handler order, the popen
-watcher, see :func:`_exit_after_parent`) is listed in :mod:`strategies.lightning_seams`, checked at setup.
+watcher, see :mod:`popen_exit`) is listed in :mod:`strategies.lightning_seams`, checked at setup.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
-import time
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from strategies.stopping.popen_exit import exit_after_parent, is_popen_child
 from strategies.stopping.stop_signals import SignalRecorder, StopOnSignal, exit_status, signal_name, write_stderr
 
 if TYPE_CHECKING:  # a type only; the launcher comes from the strategy
@@ -66,10 +65,6 @@ if TYPE_CHECKING:  # a type only; the launcher comes from the strategy
 __all__ = ["Preemption", "stop_checkpoint_path"]
 
 log = logging.getLogger(__name__)
-
-# How long a popen child waits at exit for local rank 0 to exit first: after a coordinated stop
-# rank 0 exits within seconds; outside fit only this rank may have stopped, so wait little.
-_PARENT_EXIT_WAIT_S = {True: 30.0, False: 3.0}
 
 
 def stop_checkpoint_path(trainer: pl.Trainer) -> str:
@@ -97,34 +92,6 @@ def _stop_signals(environment: ClusterEnvironment | None) -> list[int]:
     elif hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
         signums.append(signal.SIGUSR1)
     return signums
-
-
-def _is_popen_child(launcher: _Launcher | None, environment: ClusterEnvironment | None, local_rank: int) -> bool:
-    """Whether this rank was started by Lightning's popen launcher from local rank 0 of its node."""
-    # Private class: listed in strategies.lightning_seams, checked at setup.
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
-    return (
-        isinstance(launcher, _SubprocessScriptLauncher) and type(environment) is LightningEnvironment and local_rank > 0
-    )
-
-
-def _wait_until_reparented(parent: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
-def _exit_after_parent(popen_child: bool, fitting: bool) -> None:
-    """In a popen child, let local rank 0 exit first (at interpreter exit, bounded).
-
-    Local rank 0 of Lightning's popen launcher runs a watcher thread that, every 5 s, SIGKILLs all
-    processes once a child exited with a non-zero status. A child exiting with 143 right after a
-    coordinated stop could get rank 0 killed while it still finalises its loggers, and rank 0's
-    status (the one a scheduler reads) would become 137.
-    """
-    if popen_child:
-        atexit.register(_wait_until_reparented, os.getppid(), _PARENT_EXIT_WAIT_S[fitting])
 
 
 class Preemption(Callback):
@@ -286,11 +253,11 @@ class Preemption(Callback):
                 path,
                 exit_status(signum),
             )
-        _exit_after_parent(self._popen_child(trainer), fitting=True)
+        exit_after_parent(self._popen_child(trainer), fitting=True)
         raise StopOnSignal(signum, ranks, path)
 
     def _popen_child(self, trainer: pl.Trainer) -> bool:
-        return _is_popen_child(self._launcher, self._environment, trainer.local_rank)
+        return is_popen_child(self._launcher, self._environment, trainer.local_rank)
 
     def _stop_evaluation(self, trainer: pl.Trainer) -> None:
         self._check_installed(trainer)
@@ -306,7 +273,7 @@ class Preemption(Callback):
             exit_status(signum),
         )
         self._stop = (signum,)
-        _exit_after_parent(self._popen_child(trainer), fitting=False)
+        exit_after_parent(self._popen_child(trainer), fitting=False)
         raise StopOnSignal(signum, [trainer.global_rank], None)
 
     @override
