@@ -25,7 +25,8 @@ def _timing(scale: dict[str, float]) -> dict:
     }
 
 
-def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
+def _analysed_row() -> dict:
+    """The analysis of timings whose medians stand in known ratios: resnet18, accumulate 2."""
     scale = {
         "custom_ddp": 1.5,
         "custom_ddp_localbn": 1.2,
@@ -36,7 +37,11 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
         "single_matched": 1.0,
         "single": 0.6,
     }
-    row = analyse(_timing(scale), _VARIANTS)["resnet18"]["2"]
+    return analyse(_timing(scale), _VARIANTS)["resnet18"]["2"]
+
+
+def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
+    row = _analysed_row()
     assert row["ratios"]["custom_ddp/ddp_tuned"]["value"] == pytest.approx(1.25)
     assert row["ratios"]["custom_ddp/ddp_default"]["value"] == pytest.approx(1.2)
     assert row["ratios"]["custom_ddp_localbn/ddp_tuned"]["value"] == pytest.approx(1.0)
@@ -55,6 +60,8 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
     assert row["scaling_efficiency"]["single"]["custom_ddp"]["value"] == pytest.approx(0.6 / 1.5)
     assert row["threads"]["single"] == [1]
 
+
+def test_headline_names_each_ratio_efficiency_and_accuracy():
     accuracy = {"custom_ddp": {"accumulate": 2, "test_acc1": 80.0}, "ddp_default": {"accumulate": 2, "test_acc1": 79.5}}
     collectives = {
         "accumulate": 2,
@@ -70,7 +77,7 @@ def test_analysis_anchors_ratios_share_exposure_and_both_efficiencies():
         {},
         Quietness(threshold=0.5, waited_s=0.0, load_before=0.1),
         argv=[],
-        analysis={"resnet18": {"2": row}},
+        analysis={"resnet18": {"2": _analysed_row()}},
         accuracy=accuracy,
         collectives=collectives,
         variants=_VARIANTS,
