@@ -26,25 +26,20 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from callbacks.rank_gather import gather_rows, gather_samples, nanmax
 from measure.memory import CpuMethod, PeakMemory
 from measure.run_info import environment, strategy_options, to_jsonable
 from measure.stats import summarize
 from measure.timing import EpochTiming, StepTimer
-from parallel.torch_compat import all_gather_single
 
 __all__ = ["BenchmarkMonitor", "SCHEMA"]
 
 SCHEMA = "lit_cifar.benchmark/v1"
-# Lightning's strategy.all_gather goes through torch.distributed.nn.functional.all_gather, which
-# torch 2.14 deprecates (a FutureWarning on every rank). These numbers need no gradient: the plain
-# c10d collective does (parallel.torch_compat names it on every supported torch).
-_SUMMED = ("samples", "steady_samples")
 _DATASET_KEYS = ("dataset_used", "dataset_kind", "dataset")
 
 
@@ -145,7 +140,7 @@ class BenchmarkMonitor(Callback):
         record = {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
-            **_gather(trainer, _row(timing, peak)),
+            **gather_rows(trainer, _row(timing, peak)),
         }
         self._epochs.append(record)
         if trainer.is_global_zero:
@@ -154,9 +149,9 @@ class BenchmarkMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        summary = _gather(trainer, _row(self._fit, self._fit_peak))
+        summary = gather_rows(trainer, _row(self._fit, self._fit_peak))
         # The raw steady-state step and micro-batch times of every rank: what confidence intervals are computed from.
-        step_samples, micro_batch_samples = _gather_samples(trainer, self._fit.step_s, self._fit.micro_batch_s)
+        step_samples, micro_batch_samples = gather_samples(trainer, self._fit.step_s, self._fit.micro_batch_s)
         log_dir = trainer.log_dir  # a broadcast inside: every rank must ask
         if not trainer.is_global_zero or log_dir is None:
             return
@@ -190,7 +185,7 @@ class BenchmarkMonitor(Callback):
         self._fit.epoch_s += timing.epoch_s
         self._fit.epoch_samples += timing.epoch_samples
         for key in ("peak_bytes", "peak_reserved_bytes"):
-            self._fit_peak[key] = _nanmax([self._fit_peak.get(key, math.nan), peak[key]])
+            self._fit_peak[key] = nanmax([self._fit_peak.get(key, math.nan), peak[key]])
 
     def _metrics(self, values: dict[str, float]) -> dict[str, float]:
         names = {
@@ -224,52 +219,6 @@ def _row(timing: EpochTiming, peak: dict[str, float]) -> dict[str, float]:
     row["peak_reserved_bytes"] = peak.get("peak_reserved_bytes", math.nan)
     row["peak_above_start_bytes"] = row["peak_bytes"] - peak.get("start_bytes", math.nan)
     return row
-
-
-def _gather(trainer: Trainer, row: dict[str, float]) -> dict[str, Any]:
-    """All ranks' rows in ONE all_gather; returns ``per_rank`` lists and the ``global`` view."""
-    keys = sorted(row)
-    local = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
-    table = _all_gather(trainer, local).reshape(-1, len(keys)).cpu()
-    per_rank = {k: table[:, i].tolist() for i, k in enumerate(keys)}
-    merged = {k: (math.fsum(v) if k in _SUMMED else _nanmax(v)) for k, v in per_rank.items()}
-    merged["samples_per_s"] = _ratio(merged["samples"], merged["time_s"])
-    merged["steady_samples_per_s"] = _ratio(merged["steady_samples"], merged["steady_s"])
-    return {"per_rank": per_rank, "global": merged}
-
-
-def _all_gather(trainer: Trainer, tensor: torch.Tensor) -> torch.Tensor:
-    """``(world_size, *tensor.shape)``: every rank's ``tensor`` in rank order, in one collective."""
-    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return tensor.unsqueeze(0)
-    flat = tensor.contiguous().reshape(-1)
-    gathered = flat.new_empty(trainer.world_size * flat.numel())  # gloo takes only the concatenated layout
-    all_gather_single(gathered, flat)
-    return gathered.view(trainer.world_size, *tensor.shape)
-
-
-def _gather_samples(trainer: Trainer, *series: list[float]) -> list[list[list[float]]]:
-    """Every rank's values of each series (lengths may differ), per series then per rank: one gather of
-    the lengths, one of the padded samples, however many series."""
-    device = trainer.strategy.root_device
-    lengths = (
-        _all_gather(trainer, torch.tensor([len(v) for v in series], device=device)).reshape(-1, len(series)).tolist()
-    )
-    width = max(1, *(n for row in lengths for n in row))
-    padded = torch.full((len(series), width), math.nan, dtype=torch.float64, device=device)
-    for i, values in enumerate(series):
-        padded[i, : len(values)] = torch.tensor(values, dtype=torch.float64, device=device)
-    table = _all_gather(trainer, padded).reshape(len(lengths), len(series), width).cpu()
-    return [[table[rank, i, : row[i]].tolist() for rank, row in enumerate(lengths)] for i in range(len(series))]
-
-
-def _nanmax(values: list[float]) -> float:
-    present = [v for v in values if not math.isnan(v)]
-    return max(present) if present else math.nan
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator > 0 else math.nan
 
 
 def _dataset_kind(trainer: Trainer, pl_module: LightningModule) -> str | None:
