@@ -2,7 +2,8 @@
 
 Each is a :class:`~conformance.training.base.TrainingPattern` that changes one thing of a small
 regression (:mod:`conformance.training.base` says how the data is sharded and what ``truth`` means);
-the resumed ones are in :mod:`conformance.training.resume_patterns`, those around the optimizer step in
+the resumed ones are in :mod:`conformance.training.resume_patterns`, the fine-tuning recipes that freeze and
+unfreeze layers mid-fit in :mod:`conformance.training.freeze_patterns`, those around the optimizer step in
 :mod:`conformance.training.optimizer_patterns`, those with uneven data per rank in
 :mod:`conformance.training.uneven_patterns`. :data:`PATTERNS` names them all.
 """
@@ -15,7 +16,6 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import (
-    BackboneFinetuning,
     GradientAccumulationScheduler,
     StochasticWeightAveraging,
     WeightAveraging,
@@ -25,6 +25,7 @@ from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 from conformance.training.base import OUTPUTS, TrainingPattern, mlp
+from conformance.training.freeze_patterns import BackboneUnfreeze, FreezeAgain, UnfreezeInHook, UnfreezeInTrainingStep
 from conformance.training.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
 from conformance.training.resume_patterns import (
     DropoutResumedAtEpochEnd,
@@ -124,55 +125,6 @@ class SparseEmbeddingBagAdam(SparseEmbeddingSGD):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SparseAdam(list(self.parameters()), lr=0.05)
-
-
-class UnfreezeInHook(TrainingPattern):
-    label = "first layer frozen, requires_grad_(True) in on_train_epoch_start of epoch 1"
-    max_epochs = 2
-
-    def build(self) -> nn.Module:
-        net = mlp()
-        net[0].requires_grad_(False)
-        return net
-
-    def on_train_epoch_start(self) -> None:
-        if self.current_epoch == 1:
-            self.net[0].requires_grad_(True)
-
-
-class UnfreezeInTrainingStep(UnfreezeInHook):
-    label = "first layer unfrozen inside training_step (epoch 1, first batch)"
-
-    def on_train_epoch_start(self) -> None:
-        pass
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.current_epoch == 1 and batch_idx == 0:
-            self.net[0].requires_grad_(True)
-        return super().training_step(batch, batch_idx)
-
-
-class FreezeAgain(UnfreezeInHook):
-    label = "unfrozen at epoch 1, frozen again at epoch 2"
-    max_epochs = 3
-
-    def on_train_epoch_start(self) -> None:
-        self.net[0].requires_grad_(self.current_epoch == 1)
-
-
-class BackboneUnfreeze(TrainingPattern):
-    label = "BackboneFinetuning (backbone unfrozen at epoch 1, new param group)"
-    max_epochs = 2
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone, self.head = self.net[0], self.net[3]
-
-    def callbacks(self) -> list[pl.Callback]:
-        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)]
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
 
 
 class ClipWithAccumulation(TrainingPattern):
