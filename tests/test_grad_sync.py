@@ -175,6 +175,26 @@ def test_gradients_are_rank_averages_when_backward_returns(tmp_path, mode, trans
                 assert torch.equal(param, same[0]) and (grad is None or torch.equal(grad, same[1])), name
 
 
+def _gradients_in_buckets(rank: int, world_size: int) -> list[bool]:
+    """Per step: every gradient lies inside a bucket buffer (set_to_none each step: the views come back)."""
+    net = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = SyncedDataParallel(net, **_SMALL_BUCKETS)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    inside = []
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(3, 6)).sum().backward()
+        spans = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in model.buckets]
+        inside.append(all(any(lo <= p.grad.data_ptr() < lo + n for lo, n in spans) for p in net.parameters()))
+        optimizer.step()
+    return inside
+
+
+@pytest.mark.distributed
+def test_gradients_are_views_into_the_buckets_across_steps(tmp_path):
+    assert run_workers(_gradients_in_buckets, _WORLD_SIZE, init_file=tmp_path / "store") == [[True, True]] * 2
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("transport", _TRANSPORTS)
 def test_three_ranks_match_single_process(tmp_path, transport):

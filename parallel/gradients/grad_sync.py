@@ -35,6 +35,9 @@ gradients stay out of the buckets (:mod:`parallel.gradients.sparse_grads`); ``br
 every rank rank 0's buffers before each forward with gradients enabled (:mod:`parallel.gradients.buffer_sync`).
 CPU ranks on one host keep their buckets in shared memory and sum them there (:mod:`parallel.host.host_reduce`).
 
+A group of one rank (one GPU, ``devices=1``) has nothing to average: no bucket, no hook, no copy; gradients stay
+where autograd puts them, as torch's SyncBatchNorm runs plain batch norm there.
+
 Rank status (``carry_rank_status=True``): a small integer per rank (:meth:`~SyncedDataParallel.
 set_rank_status`, e.g. "a SIGTERM arrived") rides in the last bucket; after the step every rank reads
 every rank's value (:attr:`~SyncedDataParallel.rank_status`) without a collective of its own. Pure torch.
@@ -135,6 +138,11 @@ class SyncedDataParallel(nn.Module):
             self._host,
             status_slots=self._world_size if carry_rank_status else 0,
         )
+
+    @property
+    def config(self) -> GradSyncConfig:
+        """The validated gradient-sync settings (mode, bucket caps, compression, transport); frozen."""
+        return self._config
 
     @property
     def mode(self) -> str:
