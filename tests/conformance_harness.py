@@ -21,8 +21,8 @@ from strategies.custom_ddp import CustomDDPStrategy
 WORLD_SIZE = 2
 
 
-def custom_strategy(timeout_s: float = 60, **kwargs) -> CustomDDPStrategy:
-    return CustomDDPStrategy(start_method="fork", timeout=timedelta(seconds=timeout_s), **kwargs)
+def custom_strategy(timeout_s: float = 60, start_method: str = "fork", **kwargs) -> CustomDDPStrategy:
+    return CustomDDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
 def ddp_strategy(**kwargs) -> DDPStrategy:

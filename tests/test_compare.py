@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 from entry_points import quick_benchmark_record
+from train_cli_helpers import print_config
 
 from benchmarks.fits.compare import analyse, headline, parse_config
 from benchmarks.fits.compare_runs import fit_flags
@@ -110,6 +111,18 @@ def test_variants_and_threads():
     ]
     assert "custom_ddp_bf16" in variants_for("resnet18")
     assert VARIANTS["single_matched"].threads == MATCHED_THREADS and VARIANTS["single"].threads is None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variants_strategy_flags_parse_on_this_torch(capsys, variant):
+    """As train.py parses them: torch 2.11's DDP has ``broadcast_buffers`` where 2.14's has ``forward_sync_buffers``
+    (the lent GPU's torch rejected the new name; .ci/run runs this file on the oldest supported torch too)."""
+    strategy = [f for f in VARIANTS[variant].flags if f.startswith("--trainer.strategy")]
+    parsed = print_config(capsys, "cifar100_template_net.yaml", extra=tuple(strategy))["trainer"]["strategy"]
+    options = dict(f.removeprefix("--trainer.strategy.").split("=", 1) for f in strategy[1:])
+    assert {k: str(v).lower() for k, v in (parsed.get("init_args", {}) if options else {}).items() if k in options} == (
+        options
+    )
 
 
 def test_compare_arguments(capsys):

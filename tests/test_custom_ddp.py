@@ -111,9 +111,10 @@ def test_fp16_mixed_on_two_gpus_matches_lightning_ddp() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_gpu_fit_matches_one_process_without_the_strategy() -> None:
-    """devices=1: a 1-rank NCCL group, SyncBatchNorm running torch's native (cuDNN) batch norm."""
+    """devices=1: a 1-rank NCCL group, SyncBatchNorm running torch's native (cuDNN) batch norm. Spawned: the
+    Trainer has initialised CUDA in this process, and a forked child cannot use it."""
     options = dict(accelerator="gpu", devices=1, accumulate_grad_batches=2)
-    actual = _fit(ToyModule(batchnorm=True), custom_strategy(), **options)
+    actual = _fit(ToyModule(batchnorm=True), custom_strategy(start_method="spawn"), **options)
     expected = _fit(ToyModule(batchnorm=True), "auto", **options)
     assert_states_close(actual, expected)
 

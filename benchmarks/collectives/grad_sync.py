@@ -32,7 +32,7 @@ from torch import nn
 
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
 from benchmarks.collectives.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
-from benchmarks.harness import interleave, parse, parser, run_benchmark, settings, slowest_ranks
+from benchmarks.harness import DDP_SYNC_BUFFERS, interleave, parse, parser, run_benchmark, settings, slowest_ranks
 from collectives.launcher import run_workers
 from measure.collective_count import Window, count_collectives
 from measure.memory import measure_peak, return_freed_memory_above
@@ -43,7 +43,7 @@ from parallel.host import host_reduce
 __all__ = ["TITLE", "VARIANTS", "headline", "main", "measure_model"]
 
 WORLD_SIZE = 2
-_DDP_SETTINGS = ("bucket_bytes_cap", "gradient_as_bucket_view", "forward_sync_buffers")
+_DDP_SETTINGS = ("bucket_bytes_cap", "gradient_as_bucket_view", DDP_SYNC_BUFFERS)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "zero1": the sharded optimizer)
     NO_COMM: ("sdp", {"mode": "bucketed"}),
     SINGLE: ("single", {}),
@@ -58,7 +58,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # (wrapper, its options; "z
     "bucketed_25mb_bf16": ("sdp", {"mode": "bucketed", "grad_compression": "bf16"}),
     "bucketed_25mb_zero1": ("sdp", {"mode": "bucketed", "zero1": True}),
     "ddp_default": ("ddp", {"gradient_as_bucket_view": False}),  # everything else: torch's defaults
-    "ddp_tuned": ("ddp", {"gradient_as_bucket_view": True, "forward_sync_buffers": False}),
+    "ddp_tuned": ("ddp", {"gradient_as_bucket_view": True, DDP_SYNC_BUFFERS: False}),
 }
 REQUIRED = [NO_COMM, SINGLE, *ANCHORS]  # every exposure, speed-up and ratio needs them
 # Several rounds (fresh processes each) put run-to-run spread into the intervals.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from benchmarks.harness import DDP_SYNC_BUFFERS
+
 __all__ = ["BASE_CONFIG", "GPU", "GPU_NETS", "MATCHED_THREADS", "NETS", "VARIANTS", "Variant", "flag", "variants_for"]
 
 MATCHED_THREADS = max(1, (os.cpu_count() or 1) // 2)  # Lightning's share for each of 2 processes
@@ -74,12 +76,12 @@ VARIANTS: dict[str, Variant] = {
         "ddp default (local BN)",
         "Lightning ddp as it comes: gradient_as_bucket_view=False, forward_sync_buffers=True (rank 0's BN buffers "
         "broadcast every forward)",
-        _strategy(_DDP, gradient_as_bucket_view=False, forward_sync_buffers=True),
+        _strategy(_DDP, gradient_as_bucket_view=False, **{DDP_SYNC_BUFFERS: True}),
     ),
     "ddp_tuned": Variant(
         "ddp tuned (local BN)",
         "gradient_as_bucket_view=True, forward_sync_buffers=False",
-        _strategy(_DDP, gradient_as_bucket_view=True, forward_sync_buffers=False),
+        _strategy(_DDP, gradient_as_bucket_view=True, **{DDP_SYNC_BUFFERS: False}),
     ),
     "custom_ddp_bf16": Variant(
         "custom_ddp (SyncBN), bf16 gradients",
