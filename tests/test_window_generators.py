@@ -47,7 +47,8 @@ def test_an_encoded_state_decodes_to_the_same_draws_and_refuses_anything_but_bui
 @pytest.fixture
 def stores() -> Iterator[list[BoundedStore]]:
     server = serve_store("127.0.0.1")
-    clients = [connect_store("127.0.0.1", server.port, "job/") for _ in range(3)]
+    # A long deadline: these tests check what is read, not how fast (a loaded 2-core machine once took > 5 s).
+    clients = [connect_store("127.0.0.1", server.port, "job/", op_timeout_s=60.0) for _ in range(3)]
     yield clients
     for client in clients:
         client.close()
