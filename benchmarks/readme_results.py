@@ -6,7 +6,8 @@ differ between CPUs), whether the run was comparable, and the rows of the benchm
 and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's headline, between
 ``<!-- headline:begin -->`` and ``<!-- headline:end -->``: the ``HEADLINE_WHAT`` rows of the
 ``HEADLINE_RECORDS`` (custom_ddp, with local BN and with its SyncBatchNorm, against Lightning's ddp tuned in
-Lightning fits), one per machine and cell, the one with the most samples where a cell was measured twice::
+Lightning fits on CPU; on one GPU against ddp, and its SyncBatchNorm against torch's), one per machine and cell,
+the one with the most samples where a cell was measured twice::
 
     python -m benchmarks.readme_results --write   # after committing new results: both blocks
     python -m benchmarks.readme_results           # exit 1 if either differs (the tests check them too)
@@ -33,11 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS, README, PAGE = ROOT / "benchmarks" / "results", ROOT / "README.md", ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
-HEADLINE_RECORDS = ("compare_localbn", "paired_fits")  # record folders whose names start so
+HEADLINE_RECORDS = ("compare_localbn", "paired_fits", "compare_one_gpu", "syncbn_one_gpu")  # folders starting so
 # The headline's ratios (row prefix -> the short label a README row starts with).
 HEADLINE_WHAT = {
     "custom_ddp (local BN) / ddp tuned (local BN): step time, ": "local BN: ",
     "custom_ddp (SyncBN) / ddp tuned (local BN): step time, ": "SyncBN: ",
+    "custom_ddp (SyncBN) / ddp default (local BN): step time, ": "one GPU, custom_ddp / ddp: ",
+    "SyncBN / torch_syncbn (torch), 1 ranks": "one GPU, SyncBN / torch's SyncBatchNorm Function",
+    "SyncBN peak memory / torch_syncbn, 1 ranks": "one GPU, SyncBN peak memory / torch's",
 }
 # Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
 _STEP_DRAWN = (
@@ -71,7 +75,8 @@ def _report(name: str, page: Path) -> str:
 def _section(name: str, record: dict[str, Any], page: Path = PAGE) -> list[str]:
     """Rows from the record's benchmark module's ``headline(record)``, its report linked from ``page``."""
     benchmark, module = record.get("benchmark", name), _module(name, record)
-    title = getattr(module, "TITLE", benchmark) + ("" if name == results_folder(benchmark) else f" ({name})")
+    titled = getattr(module, "title", lambda _: getattr(module, "TITLE", benchmark))  # a title by record, if any
+    title = titled(record) + ("" if name == results_folder(benchmark) else f" ({name})")
     quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
     rows = _rows(module, record)

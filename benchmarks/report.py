@@ -91,9 +91,11 @@ def headline_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def machine(env: dict[str, Any]) -> str:
-    """A record's CPU as reports name it: model, vendor/family/model/stepping where kept, core count."""
+    """A record's machine as reports name it: the CPU's model, vendor/family/model/stepping where kept, core count;
+    the GPUs, if any."""
     cpu_id = f" [{env['cpu_id']}]" if env.get("cpu_id") else ""  # absent from records made before it was kept
-    return f"{env['cpu']}{cpu_id} ({env['cpu_count']} cores)"
+    gpus = f", {' + '.join(env['gpus'])}" if env.get("gpus") else ""  # a GPU record names its device too
+    return f"{env['cpu']}{cpu_id} ({env['cpu_count']} cores){gpus}"
 
 
 def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]:

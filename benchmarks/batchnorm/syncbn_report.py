@@ -58,11 +58,28 @@ def _kind_rows(rows: list[dict], key: str, targets: dict[str, float], what: str,
     ]
 
 
+def _memory_rows(rows: list[dict], base: str, ranks: str) -> list[dict[str, Any]]:
+    """Against torch's SyncBatchNorm Function (a GPU record): the layer's peak memory over torch's, the worst shape
+    (target <= 1: bytes an allocator counted, no interval); CPU records have no such baseline."""
+    if base != "torch_syncbn" or not rows:
+        return []
+    peaks = [(row["peak_bytes"]["custom"] / row["peak_bytes"][base], row) for row in rows]
+    ratio, worst = max(peaks, key=lambda peak: peak[0])
+    extra = fmt_bytes(worst["peak_bytes"]["custom"] - worst["peak_bytes"][base])
+    what = f"SyncBN peak memory / {base}, {ranks}: worst shape ({_shape(worst)}, {extra} more)"
+    met = sum(peak <= 1.0 for peak, _ in peaks)
+    return [
+        headline_row(what, round(ratio, 4), "x", 1.0),
+        headline_row(f"SyncBN peak memory / {base}, {ranks}: shapes meeting <= 1", f"{met} met of {len(peaks)}"),
+    ]
+
+
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per shape kind: the worst ratio with its verdict and how many shapes met the target, for the
     synchronised layer against its baseline and for the kernel alone against torch's BatchNorm."""
     cfg, rows, one_rank = record["config"], record["rows"], record.get("one_rank_rows", [])
     base, ranks, target = cfg["baseline"], f"{cfg['world_size']} ranks", dict.fromkeys(KINDS, cfg["target"])
+    ranks += "" if cfg.get("dtype", "float32") == "float32" else f", {cfg['dtype']}"  # a bf16 run's rows say so
     floor = "local BN + 2 all-reduces" if base == "floor" else "torch"
     one_rank_targets, compiled_targets = cfg.get("one_rank_targets", {}), cfg.get("compiled_targets", {})
     shared = "SyncBN, statistics through shared memory"
@@ -74,6 +91,7 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
         (one_rank, "compiled/local", compiled_targets, "SyncBN kernel compiled / torch BatchNorm, 1 rank"),
     ]
     out = [row for check in checks for kind in KINDS for row in _kind_rows(*check, kind)]
+    out += _memory_rows(rows, base, ranks)
     floors = [r for r in one_rank if "python_floor/local" in r["ratios"] and shape_kind(r["shape"]) == "nc"]
     if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
         worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])

@@ -15,9 +15,10 @@ from benchmarks.harness import ratios
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, plot_estimates, publish, table
 from measure.stats import difference_ci, ratio_ci, share_ci
 
-__all__ = ["RATIOS", "TITLE", "analyse", "headline", "read_scalars", "write"]
+__all__ = ["GPU_TARGET", "RATIOS", "TITLE", "analyse", "headline", "read_scalars", "title", "write"]
 
 TITLE = "custom_ddp vs Lightning ddp, 2 CPU processes, synthetic data"
+GPU_TARGET = 1.05  # custom_ddp (defaults) / ddp on one GPU, median step (issue 45)
 CURVES = ("train/loss_epoch", "train/acc1_epoch", "val/loss", "val/acc1", "test/loss", "test/acc1")  # loss, acc
 # (numerator, denominator): every ratio names its anchor.
 RATIOS = (
@@ -61,19 +62,32 @@ def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
     return step_rows(timing, estimates)
 
 
+def title(record: dict[str, Any]) -> str:
+    """The record's title: :data:`TITLE` with where the fits ran (``compare --device cuda``: one GPU)."""
+    cfg = record["config"]
+    return TITLE.replace("2 CPU processes", f"{cfg['devices']} GPU") if cfg.get("accelerator") == "gpu" else TITLE
+
+
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per net, one row per quantity with its value at every accumulation setting; bf16; accuracy."""
+    """Per net, one row per quantity with its value at every accumulation setting; bf16; accuracy. One GPU at one
+    accumulation setting: custom_ddp / ddp default judged against :data:`GPU_TARGET`."""
     rows, label = [], lambda v: record["variants"].get(v, {}).get("label", v)  # noqa: E731
+    gpu = record["config"].get("accelerator") == "gpu"
     for net, by_acc in record["analysis"].items():
         at = f"{net} net, accumulate {' / '.join(by_acc)}"
 
-        def add(what: str, get: Callable, unit: str = "", by_acc: dict = by_acc, at: str = at) -> None:
+        def add(
+            what: str, get: Callable, unit: str = "", by_acc: dict = by_acc, at: str = at, target: float | None = None
+        ) -> None:
             values = [get(row) for row in by_acc.values()]
             if any(v is not None for v in values):
-                rows.append(headline_row(f"{what}, {at}", values, unit))
+                judged = target is not None and len(values) == 1
+                rows.append(headline_row(f"{what}, {at}", values[0] if judged else values, unit, target))
 
         for a, b in RATIOS[:1] + RATIOS[2:3] + RATIOS[4:]:  # vs ddp default, like for like, bf16 vs fp32
-            add(f"{label(a)} / {label(b)}: step time", lambda r, key=f"{a}/{b}": r["ratios"].get(key), "x")
+            target = GPU_TARGET if gpu and (a, b) == RATIOS[0] else None
+            ratio = lambda r, key=f"{a}/{b}": r["ratios"].get(key)  # noqa: E731
+            add(f"{label(a)} / {label(b)}: step time", ratio, "x", target=target)
         for key, (_, name) in SYNCBN_SHARES.items():
             add(f"SyncBN share of the {name} step (1 - local BN / SyncBN)", lambda r, key=key: r.get(key), "%")
         exposed = "custom_ddp (SyncBN): exposed communication vs 1 process, thread-matched"
@@ -219,7 +233,7 @@ def write(record: dict[str, Any], out: Path) -> None:
     if cfg.get("accelerator") == "gpu":  # compare --device cuda
         processes, detail = f"{cfg['devices']} GPU", cfg["precision"]
     step_time = (f"step time; {processes}, {detail}", panels)
-    publish(out, record, TITLE.replace("2 CPU processes", processes), body, {"step_time.png": step_time})
+    publish(out, record, title(record), body, {"step_time.png": step_time})
     if curves:  # none with --timing-only
-        title = "accuracy runs (last epoch: the one-process test)"
-        plot_estimates(out / "curves.png", _curve_panels(curves, variants), title)
+        curves_title = "accuracy runs (last epoch: the one-process test)"
+        plot_estimates(out / "curves.png", _curve_panels(curves, variants), curves_title)
