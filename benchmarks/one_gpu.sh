@@ -6,7 +6,7 @@
 # eager reference). Records land under $OUT (default /tmp/one_gpu): copy them to benchmarks/results/ and name the
 # device in the commit.
 #
-#     OUT=/tmp/gpu bash benchmarks/one_gpu.sh            # ~7 minutes on one H200 (est.)
+#     OUT=/tmp/gpu bash benchmarks/one_gpu.sh            # 317 s on one H200 (2026-11-28, torch 2.11)
 #     OUT=/tmp/gpu bash benchmarks/one_gpu.sh --quick    # under a minute
 #     DEVICE=cpu OUT=/tmp/dry bash benchmarks/one_gpu.sh --quick   # the dry run on CPU: no GPU test, gloo rows
 #
