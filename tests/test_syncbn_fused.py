@@ -130,6 +130,20 @@ def test_five_kernel_launches_per_training_step(kernels, monkeypatch):
     assert launches[3:] == ["grad_sums_kernel", "grad_input_kernel"]
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_backward_keeps_x_the_weight_and_3c_plus_1_values(affine):
+    """torch's CUDA SyncBatchNorm keeps x, the weight, mean and invstd (2C) and a count; these kernels keep one C-vector
+    more (``m0``: ``x - mu`` exact for large means), nothing else (peak memory; scale is recomputed from the weight)."""
+    saved: list[torch.Tensor] = []
+    x = torch.randn(4, 8, 3, 3, device=DEVICE, requires_grad=True)
+    weight = torch.ones(8, device=DEVICE, requires_grad=True) if affine else None
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        syncbn_fused.FusedSyncBatchNorm.apply(x, weight, None, None, None, 0.1, 1e-5, None, 1)
+    shared = [t for t in saved if t.data_ptr() in (x.data_ptr(), getattr(weight, "data_ptr", lambda: -1)())]
+    kept = [t for t in saved if all(t is not s for s in shared)]
+    assert len(shared) == (2 if affine else 1) and [t.numel() for t in kept] == [3 * 8 + 1]
+
+
 @pytest.fixture
 def fresh_self_check():
     syncbn_fused.self_check.cache_clear()

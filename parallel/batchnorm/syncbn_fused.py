@@ -154,18 +154,19 @@ class FusedSyncBatchNorm(torch.autograd.Function):
         else:
             has_values = check_global_count(gathered.view(world_size, -1)[:, 0].sum(), local_count, x.shape)
         update_running = running_mean is not None and running_var is not None and has_values
-        params = stats.new_empty(5 * channels + 1)  # mean, offset, invstd, scale, shift, count
+        # Backward reads keep (m0, offset, invstd, count) and the weight; scale and shift live for this forward only.
+        keep, params = stats.new_empty(3 * channels + 1), stats.new_empty(2 * channels)
         kernels.merge_kernel[(-(-channels // _BLOCK_C),)](
             gathered, stats, _or(weight, stats), _or(bias, stats), _or(running_mean, stats), _or(running_var, stats),
-            params, world_size, channels, momentum, eps,
+            keep, params, world_size, channels, momentum, eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, UPDATE_RUNNING=update_running, BLOCK_C=_BLOCK_C,
         )  # fmt: skip
         output = torch.empty_like(x)
         if local_count:
             kernels.normalise_kernel[_grid(channels, local_count)](
-                x, output, stats, params, *geometry, channels, BLOCK=_BLOCK
+                x, output, keep, params, *geometry, channels, BLOCK=_BLOCK
             )
-        ctx.save_for_backward(x, stats, params)
+        ctx.save_for_backward(x, keep, weight)
         ctx.group, ctx.geometry = group, geometry
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -174,16 +175,16 @@ class FusedSyncBatchNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        kernels, (x, stats, params), geometry = _triton_kernels(), ctx.saved_tensors, ctx.geometry
+        kernels, (x, keep, weight), geometry = _triton_kernels(), ctx.saved_tensors, ctx.geometry
         grad_out, channels = _dense(grad_out), x.shape[1]
         grad_strides = (grad_out.stride(0), grad_out.stride(1), _geometry(grad_out)[4])
-        sums = params.new_empty(2 * channels)
+        sums = keep.new_empty(2 * channels)
         need_weight = ctx.needs_input_grad[1] and ctx.weight_dtype is not None
         need_bias = ctx.needs_input_grad[2] and ctx.bias_dtype is not None
         grad_weight = x.new_empty(channels, dtype=ctx.weight_dtype) if need_weight else None
         grad_bias = x.new_empty(channels, dtype=ctx.bias_dtype) if need_bias else None
         kernels.grad_sums_kernel[(channels,)](
-            x, grad_out, stats, params, sums, _or(grad_weight, sums), _or(grad_bias, sums), *geometry, *grad_strides,
+            x, grad_out, keep, sums, _or(grad_weight, sums), _or(grad_bias, sums), *geometry, *grad_strides,
             channels, WEIGHT_GRAD=need_weight, BIAS_GRAD=need_bias, BLOCK=_BLOCK,
         )  # fmt: skip
         if ctx.group is not None:
@@ -193,8 +194,9 @@ class FusedSyncBatchNorm(torch.autograd.Function):
             grad_input = torch.empty_like(x)
             if geometry[0]:
                 kernels.grad_input_kernel[_grid(channels, geometry[0])](
-                    x, grad_out, grad_input, stats, params, sums, *geometry, *grad_strides, channels, BLOCK=_BLOCK
-                )
+                    x, grad_out, grad_input, keep, _or(weight, keep), sums, *geometry, *grad_strides, channels,
+                    HAS_WEIGHT=weight is not None, BLOCK=_BLOCK,
+                )  # fmt: skip
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 

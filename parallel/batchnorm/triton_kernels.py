@@ -15,12 +15,16 @@ as in the eager reference); loads of a bf16/fp16 input widen, stores narrow.
 kernel      what it does (the formulas are :mod:`parallel.batchnorm.syncbn_function`'s)
 =========== ====================================================================================
 moments     this rank's ``[count, mean, M2]`` row (the all_gather's input), chunk by chunk (Chan)
-merge       the gathered rows -> mean, offset from this rank's mean, invstd, scale, shift, count;
-            the running statistics in place
+merge       the gathered rows -> what backward keeps (m0, offset from it, invstd, count) and what the
+            forward's normalise reads (scale, shift); the running statistics in place
 normalise   ``y = (x - m0) * scale + shift``
 grad_sums   ``[sum(g), sum(g (x - mu))]`` (the all_reduce's input); the local dgamma, dbeta
 grad_input  ``dL/dx = g * scale + (x - mu) * coef_xmu + coef_const``, coefficients per channel inline
 =========== ====================================================================================
+
+Backward keeps ``3C + 1`` values per layer (``keep``): torch's CUDA SyncBatchNorm keeps ``2C`` and a count, its
+mean rounded to float32; the extra C-vector is what keeps ``x - mu`` exact for large means (``(x - m0) - offset``).
+``scale`` is recomputed from the weight (saved by reference, as torch does).
 """
 
 from __future__ import annotations
@@ -138,17 +142,18 @@ def _update_running_stats(
 
 @triton.jit
 def merge_kernel(
-    gathered_ptr, own_ptr, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, out_ptr,
+    gathered_ptr, own_ptr, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, keep_ptr, out_ptr,
     world_size, C, momentum, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE_RUNNING: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Merge ``world_size`` gathered rows into ``out = [mean, offset, invstd, scale, shift, count]`` (5 C-vectors
-    and the global count). The reference mean is that of the first rank with the most values, on every rank, so
-    every rank computes the same mean and running statistics; ``offset = (reference - m0) + shift`` keeps this
-    rank's output free of the global mean's rounding, as in the eager reference."""
+    """Merge ``world_size`` gathered rows into ``keep = [m0, offset, invstd, count]`` (what backward reads: 3
+    C-vectors and the global count) and ``out = [scale, shift]`` (the forward's normalise). The reference mean is
+    that of the first rank with the most values, on every rank, so every rank computes the same mean and running
+    statistics; ``offset = (reference - m0) + shift`` keeps this rank's output free of the global mean's rounding,
+    as in the eager reference."""
     channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = channel < C
-    acc = out_ptr.dtype.element_ty
+    acc = keep_ptr.dtype.element_ty
     row = 2 * C + 1
     reference, count = _reference_and_count(gathered_ptr, world_size, row, channel, inside, acc, BLOCK_C)
     mean_shift, var = _mean_shift_and_var(
@@ -166,43 +171,43 @@ def merge_kernel(
         shift += tl.load(bias_ptr + channel, mask=inside, other=0.0).to(acc)
     if UPDATE_RUNNING:
         _update_running_stats(running_mean_ptr, running_var_ptr, channel, inside, mean, var, count, momentum, acc)
-    tl.store(out_ptr + channel, mean, mask=inside)
-    tl.store(out_ptr + C + channel, offset, mask=inside)
-    tl.store(out_ptr + 2 * C + channel, invstd, mask=inside)
-    tl.store(out_ptr + 3 * C + channel, scale, mask=inside)
-    tl.store(out_ptr + 4 * C + channel, shift, mask=inside)
+    tl.store(keep_ptr + channel, own_mean, mask=inside)
+    tl.store(keep_ptr + C + channel, offset, mask=inside)
+    tl.store(keep_ptr + 2 * C + channel, invstd, mask=inside)
+    tl.store(out_ptr + channel, scale, mask=inside)
+    tl.store(out_ptr + C + channel, shift, mask=inside)
     if tl.program_id(0) == 0:
-        tl.store(out_ptr + 5 * C, count)
+        tl.store(keep_ptr + 3 * C, count)
 
 
 @triton.jit
 def normalise_kernel(
-    x_ptr, y_ptr, own_ptr, params_ptr, total, S, stride_n, stride_c, stride_s, C, BLOCK: tl.constexpr
+    x_ptr, y_ptr, keep_ptr, params_ptr, total, S, stride_n, stride_c, stride_s, C, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``y = (x - m0) * scale + shift`` (``y`` has ``x``'s strides); programs per (channel, block)."""
     channel = tl.program_id(1)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = params_ptr.dtype.element_ty
     x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
-    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
-    scale = tl.load(params_ptr + 3 * C + channel)
-    shift = tl.load(params_ptr + 4 * C + channel)
+    own_mean = tl.load(keep_ptr + channel)
+    scale = tl.load(params_ptr + channel)
+    shift = tl.load(params_ptr + C + channel)
     where = _position(idx, S, stride_n, stride_c, stride_s, channel)
     tl.store(y_ptr + where, (x - own_mean) * scale + shift, mask=idx < total)
 
 
 @triton.jit
 def grad_sums_kernel(
-    x_ptr, g_ptr, own_ptr, params_ptr, sums_ptr, grad_weight_ptr, grad_bias_ptr,
+    x_ptr, g_ptr, keep_ptr, sums_ptr, grad_weight_ptr, grad_bias_ptr,
     total, S, stride_n, stride_c, stride_s, g_stride_n, g_stride_c, g_stride_s, C,
     WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``sums = [sum(g), sum(g (x - mu))]`` per channel, and the LOCAL dgamma = ``sum(g x_hat)``, dbeta = ``sum(g)``
     (the gradient sync averages them, as torch's SyncBatchNorm leaves it to); one program per channel."""
     channel = tl.program_id(0)
-    acc = params_ptr.dtype.element_ty
-    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
-    offset = tl.load(params_ptr + C + channel)
+    acc = keep_ptr.dtype.element_ty
+    own_mean = tl.load(keep_ptr + channel)
+    offset = tl.load(keep_ptr + C + channel)
     sum_g = tl.zeros((BLOCK,), dtype=acc)
     sum_g_xmu = tl.zeros((BLOCK,), dtype=acc)
     for start in range(0, total, BLOCK):
@@ -218,26 +223,29 @@ def grad_sums_kernel(
     tl.store(sums_ptr + channel, total_g)
     tl.store(sums_ptr + C + channel, total_g_xmu)
     if WEIGHT_GRAD:
-        tl.store(grad_weight_ptr + channel, total_g_xmu * tl.load(params_ptr + 2 * C + channel))
+        tl.store(grad_weight_ptr + channel, total_g_xmu * tl.load(keep_ptr + 2 * C + channel))
     if BIAS_GRAD:
         tl.store(grad_bias_ptr + channel, total_g)
 
 
 @triton.jit
 def grad_input_kernel(
-    x_ptr, g_ptr, dx_ptr, own_ptr, params_ptr, sums_ptr,
-    total, S, stride_n, stride_c, stride_s, g_stride_n, g_stride_c, g_stride_s, C, BLOCK: tl.constexpr,
+    x_ptr, g_ptr, dx_ptr, keep_ptr, weight_ptr, sums_ptr,
+    total, S, stride_n, stride_c, stride_s, g_stride_n, g_stride_c, g_stride_s, C,
+    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``dL/dx = g * scale + (x - mu) * coef_xmu + coef_const`` with the global sums (``dx`` has ``x``'s strides):
     ``coef_const = -scale sum(g) / n``, ``coef_xmu = -scale invstd^2 sum(g (x - mu)) / n``."""
     channel = tl.program_id(1)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    acc = params_ptr.dtype.element_ty
-    own_mean = tl.load(own_ptr + 1 + 2 * C + channel)
-    offset = tl.load(params_ptr + C + channel)
-    invstd = tl.load(params_ptr + 2 * C + channel)
-    scale = tl.load(params_ptr + 3 * C + channel)
-    minus_scale_over_n = -scale / tl.maximum(tl.load(params_ptr + 5 * C), 1.0)
+    acc = keep_ptr.dtype.element_ty
+    own_mean = tl.load(keep_ptr + channel)
+    offset = tl.load(keep_ptr + C + channel)
+    invstd = tl.load(keep_ptr + 2 * C + channel)
+    scale = invstd
+    if HAS_WEIGHT:  # as the forward's merge computed it
+        scale = invstd * tl.load(weight_ptr + channel).to(acc)
+    minus_scale_over_n = -scale / tl.maximum(tl.load(keep_ptr + 3 * C), 1.0)
     coef_const = minus_scale_over_n * tl.load(sums_ptr + channel)
     coef_xmu = minus_scale_over_n * invstd * invstd * tl.load(sums_ptr + C + channel)
     x = _load(x_ptr, idx, total, S, stride_n, stride_c, stride_s, channel, acc)
