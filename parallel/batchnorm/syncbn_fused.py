@@ -168,7 +168,6 @@ class FusedSyncBatchNorm(torch.autograd.Function):
             )
         ctx.save_for_backward(x, keep, weight)
         ctx.group, ctx.geometry = group, geometry
-        ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return output
 
@@ -179,9 +178,9 @@ class FusedSyncBatchNorm(torch.autograd.Function):
         grad_out, channels = _dense(grad_out), x.shape[1]
         grad_strides = (grad_out.stride(0), grad_out.stride(1), _geometry(grad_out)[4])
         sums = keep.new_empty(2 * channels)
-        need_weight = ctx.needs_input_grad[1] and ctx.weight_dtype is not None
+        need_weight = ctx.needs_input_grad[1] and weight is not None
         need_bias = ctx.needs_input_grad[2] and ctx.bias_dtype is not None
-        grad_weight = x.new_empty(channels, dtype=ctx.weight_dtype) if need_weight else None
+        grad_weight = x.new_empty(channels, dtype=weight.dtype) if need_weight else None
         grad_bias = x.new_empty(channels, dtype=ctx.bias_dtype) if need_bias else None
         kernels.grad_sums_kernel[(channels,)](
             x, grad_out, keep, sums, _or(grad_weight, sums), _or(grad_bias, sums), *geometry, *grad_strides,
