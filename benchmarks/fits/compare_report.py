@@ -62,17 +62,24 @@ def analyse(timing: dict[str, Any], variants: dict[str, Any]) -> dict[str, Any]:
     return step_rows(timing, estimates)
 
 
+def _on_gpu(cfg: dict[str, Any]) -> bool:
+    return cfg.get("accelerator") == "gpu"  # compare --device cuda
+
+
+def _where(cfg: dict[str, Any]) -> str:
+    return f"{cfg['devices']} GPU" if _on_gpu(cfg) else "2 CPU processes"
+
+
 def title(record: dict[str, Any]) -> str:
     """The record's title: :data:`TITLE` with where the fits ran (``compare --device cuda``: one GPU)."""
-    cfg = record["config"]
-    return TITLE.replace("2 CPU processes", f"{cfg['devices']} GPU") if cfg.get("accelerator") == "gpu" else TITLE
+    return TITLE.replace("2 CPU processes", _where(record["config"]))
 
 
 def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Per net, one row per quantity with its value at every accumulation setting; bf16; accuracy. One GPU at one
     accumulation setting: custom_ddp / ddp default judged against :data:`GPU_TARGET`."""
     rows, label = [], lambda v: record["variants"].get(v, {}).get("label", v)  # noqa: E731
-    gpu = record["config"].get("accelerator") == "gpu"
+    gpu = _on_gpu(record["config"])
     for net, by_acc in record["analysis"].items():
         at = f"{net} net, accumulate {' / '.join(by_acc)}"
 
@@ -229,10 +236,8 @@ def write(record: dict[str, Any], out: Path) -> None:
         series = {v["label"]: [row["step_s"].get(k) for row in by_acc.values()] for k, v in variants.items()}
         groups = [f"accumulate {acc}" for acc in by_acc]
         panels.append(Panel(f"{net} net", "optimizer step, ms (median)", groups, series, scale=1e3))
-    processes, detail = "2 CPU processes", "ddp with local BN on CPU"
-    if cfg.get("accelerator") == "gpu":  # compare --device cuda
-        processes, detail = f"{cfg['devices']} GPU", cfg["precision"]
-    step_time = (f"step time; {processes}, {detail}", panels)
+    detail = cfg["precision"] if _on_gpu(cfg) else "ddp with local BN on CPU"
+    step_time = (f"step time; {_where(cfg)}, {detail}", panels)
     publish(out, record, title(record), body, {"step_time.png": step_time})
     if curves:  # none with --timing-only
         curves_title = "accuracy runs (last epoch: the one-process test)"
