@@ -21,7 +21,6 @@ never writes into ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import inspect
 import shlex
 import sys
 import tempfile
@@ -37,13 +36,6 @@ from measure.run_info import Quietness, environment, wait_for_quiet
 from measure.stats import Estimate, in_runs, median_ci, ratio_ci
 from measure.timing import aligned_seconds, slowest_rank
 
-# torch DDP's option for rank 0's buffers before each forward: ``forward_sync_buffers`` from torch 2.14 (which
-# deprecates ``broadcast_buffers``), ``broadcast_buffers`` before it (the lent GPU's torch 2.11 rejects the new name).
-DDP_SYNC_BUFFERS = next(
-    name
-    for name in ("forward_sync_buffers", "broadcast_buffers")
-    if name in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-)
 SCHEMA = "lit_cifar.bench/v3"
 RESULTS = Path(__file__).resolve().parent / "results"
 Verdict = Literal["met", "missed", "undecided"]

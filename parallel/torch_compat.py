@@ -15,11 +15,27 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn import init
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_gather_single", "drop_bias", "make_norm", "norm_bias_kwargs", "reset_norm_parameters"]
+__all__ = [
+    "DDP_SYNC_BUFFERS",
+    "all_gather_single",
+    "drop_bias",
+    "make_norm",
+    "norm_bias_kwargs",
+    "reset_norm_parameters",
+]
 
 # torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# torch 2.14 renamed DDP's broadcast_buffers (rank 0's buffers before each forward; now deprecated) to
+# forward_sync_buffers: the name this torch's DDP takes (torch 2.11 rejects the new one).
+DDP_SYNC_BUFFERS = next(
+    name
+    for name in ("forward_sync_buffers", "broadcast_buffers")
+    if name in inspect.signature(DistributedDataParallel.__init__).parameters
+)
 
 # torch 2.12 added `bias=` to the BatchNorm constructors; before it, every affine layer has a bias.
 _NORM_TAKES_BIAS = "bias" in inspect.signature(_NormBase.__init__).parameters

@@ -32,13 +32,14 @@ from torch import nn
 
 # TITLE and headline are what benchmarks.readme_results reads from each benchmark's entry module.
 from benchmarks.collectives.grad_sync_report import ANCHORS, NO_COMM, SINGLE, TITLE, headline, write
-from benchmarks.harness import DDP_SYNC_BUFFERS, interleave, parse, parser, run_benchmark, settings, slowest_ranks
+from benchmarks.harness import interleave, parse, parser, run_benchmark, settings, slowest_ranks
 from collectives.launcher import run_workers
 from measure.collective_count import Window, count_collectives
 from measure.memory import measure_peak, return_freed_memory_above
 from parallel.gradients.grad_sync import SyncedDataParallel
 from parallel.gradients.zero import ShardedOptimizer
 from parallel.host import host_reduce
+from parallel.torch_compat import DDP_SYNC_BUFFERS
 
 __all__ = ["TITLE", "VARIANTS", "headline", "main", "measure_model"]
 

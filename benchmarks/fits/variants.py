@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from benchmarks.harness import DDP_SYNC_BUFFERS
+from parallel.torch_compat import DDP_SYNC_BUFFERS
 
 __all__ = ["BASE_CONFIG", "GPU", "GPU_NETS", "MATCHED_THREADS", "NETS", "VARIANTS", "Variant", "flag", "variants_for"]
 
