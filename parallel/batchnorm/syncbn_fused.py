@@ -8,8 +8,9 @@ layer and step. Here each pass is one kernel and the C-sized math between the co
     backward:  grad_sums (+ local dgamma, dbeta) -> all_reduce -> grad_input          2 kernels, 1 collective
 
 the launches of torch's own CUDA SyncBatchNorm (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
-``batch_norm_elemt``; ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``). Memory: the statistics
-(``2C + 1`` and ``5C + 1`` values), the output and ``dL/dx``; nothing x-sized besides, as torch.
+``batch_norm_elemt``; ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``). Memory, as torch: backward
+keeps x, the weight, the mean, invstd and a count (``2C + 1`` values); each direction allocates one x-sized tensor
+(the output, ``dL/dx``) and C-sized ones.
 
 Why Triton and not ``torch.compile`` of the whole forward and backward: the compiled set
 (:func:`parallel.batchnorm.syncbn_kernels.compiled_kernels`) still runs the C-sized math eagerly between its
@@ -154,8 +155,8 @@ class FusedSyncBatchNorm(torch.autograd.Function):
         else:
             has_values = check_global_count(gathered.view(world_size, -1)[:, 0].sum(), local_count, x.shape)
         update_running = running_mean is not None and running_var is not None and has_values
-        # Backward reads keep (m0, offset, invstd, count) and the weight; scale and shift live for this forward only.
-        keep, params = stats.new_empty(3 * channels + 1), stats.new_empty(2 * channels)
+        # Backward reads keep (mean, invstd, count) and the weight; scale and shift live for this forward only.
+        keep, params = stats.new_empty(2 * channels + 1), stats.new_empty(2 * channels)
         kernels.merge_kernel[(-(-channels // _BLOCK_C),)](
             gathered, stats, _or(weight, stats), _or(bias, stats), _or(running_mean, stats), _or(running_var, stats),
             keep, params, world_size, channels, momentum, eps,
@@ -164,7 +165,7 @@ class FusedSyncBatchNorm(torch.autograd.Function):
         output = torch.empty_like(x)
         if local_count:
             kernels.normalise_kernel[_grid(channels, local_count)](
-                x, output, keep, params, *geometry, channels, BLOCK=_BLOCK
+                x, output, stats[2 * channels + 1 :], params, *geometry, channels, BLOCK=_BLOCK
             )
         ctx.save_for_backward(x, keep, weight)
         ctx.group, ctx.geometry = group, geometry
