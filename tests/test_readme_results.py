@@ -218,6 +218,8 @@ def test_one_gpu_records_judge_both_targets_of_issue_45():
     (step,) = [row for row in compare["headline"] if row["what"].startswith("custom_ddp (SyncBN) / ddp default")]
     assert step["target"] == "<= 1.05" and step["verdict"] == ("met" if step["value"]["high"] <= 1.05 else "missed")
     assert "NVIDIA H200" in compare["environment"]["gpus"][0]
+    # The results block titles the record by where its fits ran (compare's module exports compare_report's title).
+    assert "**custom_ddp vs Lightning ddp, 1 GPU, synthetic data (compare_one_gpu_h200)**" in render_block()
     for dtype in ("float32", "bfloat16"):
         record = json.loads((RESULTS / f"syncbn_one_gpu_h200_{dtype}" / "results.json").read_text())
         worst = max(row["peak_bytes"]["custom"] / row["peak_bytes"]["torch_syncbn"] for row in record["rows"])

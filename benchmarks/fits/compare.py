@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fits.compare_report import TITLE, analyse, headline, write
+from benchmarks.fits.compare_report import TITLE, analyse, headline, title, write
 from benchmarks.fits.compare_runs import (
     REPO_ROOT,
     accuracy_run,
@@ -45,7 +45,7 @@ from benchmarks.fits.variants import BASE_CONFIG, GPU, GPU_NETS, NETS, VARIANTS,
 from benchmarks.harness import parse, run_benchmark
 
 # The record's module: rederive and the results blocks load TITLE, headline and write from here.
-__all__ = ["TITLE", "analyse", "headline", "main", "measure", "parse_config", "write"]
+__all__ = ["TITLE", "analyse", "headline", "main", "measure", "parse_config", "title", "write"]
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], float]:
