@@ -2,9 +2,9 @@
 # The prepared checks of one lent GPU (issue 45), as one command: the ResNet-18 bf16 devices=1 fits of custom_ddp
 # (defaults) and ddp, interleaved; the SyncBN benchmark on a 1-rank NCCL group (the layer's CUDA path -- its Triton
 # kernels --, the eager and the compiled kernel against torch's own SyncBatchNorm Function and cuDNN BN; fp32 and
-# bf16; ResNet stage shapes); then the CUDA tests that run on one GPU (the Triton kernels compiled, against the
-# eager reference). Records land under $OUT (default /tmp/one_gpu): copy them to benchmarks/results/ and name the
-# device in the commit.
+# bf16; ResNet stage shapes); where one layer call's time goes (host against device, torch.profiler); then the CUDA
+# tests that run on one GPU (the Triton kernels compiled, against the eager reference). Records land under $OUT
+# (default /tmp/one_gpu): copy them to benchmarks/results/ and name the device in the commit.
 #
 #     OUT=/tmp/gpu bash benchmarks/one_gpu.sh            # 317 s on one H200 (2026-11-28, torch 2.11)
 #     OUT=/tmp/gpu bash benchmarks/one_gpu.sh --quick    # under a minute
@@ -54,6 +54,11 @@ for dtype in float32 bfloat16; do
     --dtype "$dtype" --shapes "${shapes[@]}" --max-wait-s "$wait_s" $quick --out "$out/syncbn_one_gpu_$dtype"
   wait_s=30
 done
+# Where a layer call's time goes (the host's share, torch.profiler's tables): what the next change should cut.
+profile_shapes=(32x128 256x64x56x56 256x256x14x14)
+[ -n "$quick" ] && profile_shapes=(32x128)
+within 90 "$out/syncbn_profile.log" $py -m benchmarks.batchnorm.syncbn_profile --device "$device" \
+  --shapes "${profile_shapes[@]}" --max-wait-s 0 $quick --out "$out/syncbn_profile_one_gpu"
 if [ "$device" = cuda ]; then  # the tests that need a GPU (skipped, so absent, without one)
   within 150 "$out/gpu_tests.txt" $py -m pytest -m gpu -n 0 -p no:cacheprovider -q -rs tests/test_custom_ddp.py \
     tests/test_grad_sync.py tests/test_syncbn_distributed.py tests/test_metric_sync.py

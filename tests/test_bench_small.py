@@ -1,6 +1,6 @@
-"""The syncbn, syncbn_lockstep, allreduce, data_pipeline, eval_memory and generator_keeping benchmarks on tiny
-settings: they run through the shared harness and their records carry quietness, CIs for every ratio, threads, and
-headline rows."""
+"""The syncbn, syncbn_lockstep, syncbn_profile, allreduce, data_pipeline, eval_memory and generator_keeping
+benchmarks on tiny settings: they run through the shared harness and their records carry quietness, CIs for every
+ratio, threads, and headline rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.batchnorm import syncbn, syncbn_lockstep
+from benchmarks.batchnorm import syncbn, syncbn_lockstep, syncbn_profile
 from benchmarks.collectives import allreduce, allreduce_report
 from benchmarks.costs import data_pipeline, eval_memory, generator_keeping
 from benchmarks.harness import RESULTS, Quietness, make_record
@@ -183,6 +183,21 @@ def test_syncbn_lockstep_quick_run(tmp_path: Path) -> None:
     for rank in saved["ranks"]:  # time at the barriers is part of the micro-batch's time
         assert all(0 < w < s for w, s in zip(rank["wait_s"], rank["samples"]["shared"], strict=True))
     assert "lockstep's cost beyond waiting" in _whats(saved)
+
+
+@pytest.mark.distributed
+def test_syncbn_profile_quick_run(tmp_path: Path) -> None:
+    """The GPU diagnostic's CPU dry run: host and call time of every call, each call's host share, the profile."""
+    record = syncbn_profile.main(["--quick", "--shapes", "8x16", "--out", str(tmp_path)])
+    saved = _check_saved(tmp_path, list(record["rows"][0]["median_s"].values()))
+    (row,) = saved["rows"]
+    assert set(row["samples_s"]) == {"custom host", "custom call", "local host", "local call"}  # no torch_syncbn
+    assert len(row["samples_s"]["custom call"]) == 6  # 2 rounds x 3 calls
+    # On CPU a call is over when it returns: every call's host share is 1.
+    assert row["median_s"]["custom share"]["value"] == pytest.approx(1.0)
+    assert "_SyncBatchNormFunction" in row["profile"]["by self host time"]
+    assert "host / call, the most device-bound shape (8x16)" in _whats(saved)
+    assert "torch.profiler, by self host time" in (tmp_path / "results.md").read_text()
 
 
 def test_eval_memory_rows_of_the_committed_record():

@@ -52,7 +52,7 @@ from parallel.host.host_exchange import open_shared_memory_exchange
 from parallel.host.host_reduce import open_shared_memory_all_reduce
 
 # The record's module: rederive and the results blocks load TITLE, headline and write from here.
-__all__ = ["TITLE", "headline", "main", "write"]
+__all__ = ["TITLE", "headline", "layer_calls", "main", "write"]
 
 ASSIGNMENT_SHAPES = [(batch, hid) for hid in (128, 256, 512, 1024) for batch in (32, 64)]
 CONV_SHAPES = [(32, 64, 16, 16), (32, 128, 32, 32), (64, 256, 16, 16), (128, 64, 32, 32)]
@@ -112,7 +112,7 @@ class _PythonFloor(nn.Module):
         return self._Copy.apply(x)
 
 
-def _methods(
+def layer_calls(
     shape: Sequence[int], device: torch.device, rank: int, cfg: dict[str, Any], exchange: Any = None
 ) -> dict[str, Callable[[], None]]:
     """One forward+backward per method of ``cfg["methods"]`` on this rank's fixed input of ``cfg["dtype"]`` (the
@@ -156,12 +156,12 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
     exchange = _shared_memory_exchange(shapes, world_size) if "shared" in cfg["methods"] else None
     out = []
     for shape in shapes:
-        fns = _methods(shape, device, rank, cfg, exchange)
+        fns = layer_calls(shape, device, rank, cfg, exchange)
         compile_s = aligned_seconds(fns["compiled"], device) if "compiled" in fns else None  # the first call
         out.append({"samples": timed_rounds(fns, cfg, device), "compile_s": compile_s})
     if cfg.get("memory", True):  # after timing: the profiler's memory events slow every call
         for result, shape in zip(out, shapes, strict=True):
-            result["peak_bytes"] = _peak_bytes(_methods(shape, device, rank, cfg, exchange), device)
+            result["peak_bytes"] = _peak_bytes(layer_calls(shape, device, rank, cfg, exchange), device)
     return {"shapes": out, "threads": torch.get_num_threads()}
 
 
