@@ -195,9 +195,11 @@ def test_syncbn_profile_quick_run(tmp_path: Path) -> None:
     assert len(row["samples_s"]["custom call"]) == 6  # 2 rounds x 3 calls
     # On CPU a call is over when it returns: every call's host share is 1.
     assert row["median_s"]["custom share"]["value"] == pytest.approx(1.0)
-    assert "_SyncBatchNormFunction" in row["profile"]["by self host time"]
+    assert set(row["profile"]) == {"custom, by self host time", "custom, by memory allocated"}  # eager: CUDA only
+    assert "_SyncBatchNormFunction" in row["profile"]["custom, by self host time"]
+    assert "Self CPU Mem" in row["profile"]["custom, by memory allocated"]
     assert "host / call, the most device-bound shape (8x16)" in _whats(saved)
-    assert "torch.profiler, by self host time" in (tmp_path / "results.md").read_text()
+    assert "8x16: torch.profiler, custom, by self host time" in (tmp_path / "results.md").read_text()
 
 
 def test_eval_memory_rows_of_the_committed_record():

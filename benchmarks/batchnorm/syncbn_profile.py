@@ -5,14 +5,15 @@
 
 On a 1-rank group (NCCL on a GPU, gloo on CPU), per shape, one forward+backward of each layer of
 :func:`benchmarks.batchnorm.syncbn.layer_calls`: ``custom`` (the layer, its synchronising path forced: on CUDA its
-Triton kernels), ``torch_syncbn`` (CUDA: torch's SyncBatchNorm Function) and ``local`` (torch's BatchNorm), in
-interleaved rounds, each call timed two ways: ``host``, the seconds until the call returns to Python (its Python,
-dispatch, kernel launches and the collectives' enqueueing; the device may still be running), and ``call``, until the
-device has finished (CUDA events around it, after a synchronize; on CPU the two are the same). ``host / call`` near
-1: the host bounds the call, and fewer launches or less Python would pay; well under 1: the device does, and the
-kernels' memory traffic would. Then ``torch.profiler`` over a few calls of ``custom``: its ops and kernels by self
-host time and, on CUDA, by device time. No target: this tells the SyncBN benchmark's ratios
-(:mod:`benchmarks.batchnorm.syncbn`) where to look.
+Triton kernels), on CUDA ``eager`` (its eager reference kernel, which ``compile=True`` also runs on (N, C) inputs)
+and ``torch_syncbn`` (torch's SyncBatchNorm Function), and ``local`` (torch's BatchNorm), in interleaved rounds,
+each call timed two ways: ``host``, the seconds until the call returns to Python (its Python, dispatch, kernel
+launches and the collectives' enqueueing; the device may still be running), and ``call``, until the device has
+finished (CUDA events around it, after a synchronize; on CPU the two are the same). ``host / call`` near 1: the host
+bounds the call, and fewer launches or less Python would pay; well under 1: the device does, and the kernels'
+memory traffic would. Then ``torch.profiler`` over a few calls of ``custom`` and ``eager``: their ops and kernels by
+self host time, by the memory each op allocated (the SyncBN record's peak memory, op by op) and, on CUDA, by device
+time. No target: this tells the SyncBN benchmark's ratios (:mod:`benchmarks.batchnorm.syncbn`) where to look.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ TITLE = "SyncBatchNorm: the host's share of one call"
 FULL, QUICK = settings({"rounds": (5, 2), "iters": (20, 3), "warmup": (5, 1), "profiled": (10, 2)})
 SHAPES = [(32, 128), (1024, 2048), (32, 64, 16, 16), (128, 64, 32, 32), (256, 64, 56, 56), (256, 256, 14, 14)]
 QUICK_SHAPES = [(32, 128), (8, 16, 8, 8)]
-METHODS = ("custom", "torch_syncbn", "local")  # torch_syncbn exists on CUDA only
+METHODS = ("custom", "eager", "torch_syncbn", "local")  # eager and torch_syncbn exist on CUDA only
+PROFILED = ("custom", "eager")
 PROFILE_ROWS = 15
 
 
@@ -64,19 +66,21 @@ def _round(fns: dict[str, Callable[[], None]], device: torch.device, calls: int,
     return [_host_and_call(fns[name], device) for _ in range(calls)]
 
 
-def _profile(fn: Callable[[], None], device: torch.device, calls: int) -> dict[str, str]:
-    """``torch.profiler``'s tables of ``calls`` calls of ``fn``: by self host time, and on CUDA by device time."""
+def _profile(name: str, fn: Callable[[], None], device: torch.device, calls: int) -> dict[str, str]:
+    """``torch.profiler``'s tables of ``calls`` calls of method ``name`` (``fn``): by self host time, by the memory
+    each op allocated (on the device, or on CPU there) and on CUDA by device time."""
     on_cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_cuda]) as prof:
+    activities = [ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_cuda]
+    with profile(activities=activities, profile_memory=True) as prof:
         for _ in range(calls):
             fn()
         if on_cuda:
             torch.cuda.synchronize(device)
     averages = prof.key_averages()
-    tables = {"by self host time": averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)}
-    if on_cuda:
-        tables["by device time"] = averages.table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS)
-    return tables
+    sort_by = {"self host time": "self_cpu_time_total"}
+    sort_by |= {"device time": "self_device_time_total"} if on_cuda else {}
+    sort_by |= {"memory allocated": "self_device_memory_usage" if on_cuda else "self_cpu_memory_usage"}
+    return {f"{name}, by {what}": averages.table(sort_by=key, row_limit=PROFILE_ROWS) for what, key in sort_by.items()}
 
 
 def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, Any]:
@@ -94,7 +98,9 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
             for name, blocks in timed.items()
             for i, kind in enumerate(("host", "call"))
         }
-        profiled = _profile(fns["custom"], device, cfg["profiled"])
+        profiled = {}
+        for name in [name for name in PROFILED if name in fns]:
+            profiled |= _profile(name, fns[name], device, cfg["profiled"])
         rows.append({"shape": list(shape), "samples_s": samples, "profile": profiled})
     return {"rows": rows, "threads": torch.get_num_threads()}
 
@@ -133,7 +139,7 @@ def write(record: dict[str, Any], out: Path) -> None:
     body = ["## Host and call time per method", "", *table("shape | method | host | call | host / call", cells)]
     for row in rows:
         for what, text in row["profile"].items():
-            body += ["", f"## custom, {_shape(row)}: torch.profiler, {what}", "", "```", text.rstrip(), "```"]
+            body += ["", f"## {_shape(row)}: torch.profiler, {what}", "", "```", text.rstrip(), "```"]
     publish(out, record, TITLE, body)
 
 
