@@ -14,7 +14,7 @@ import torch
 from syncbn_cases import CASES, Case, assert_matches, reference, sync_worker
 
 from collectives.launcher import run_workers
-from parallel.batchnorm import syncbn_fused
+from parallel.batchnorm import syncbn, syncbn_fused
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.batchnorm.syncbn_function import sync_batch_norm
 
@@ -215,14 +215,18 @@ def test_ranks_on_the_triton_and_the_eager_kernel_work_together(tmp_path, name):
     assert_matches(results, reference(case), atol=2e-5, rtol=1e-4)
 
 
-def test_the_layer_takes_the_fused_path_only_for_cuda_inputs(monkeypatch):
-    assert not syncbn_fused.handles(torch.randn(2, 3))
-    calls = []
+def test_the_layer_takes_the_fused_path_for_cuda_inputs_the_compiled_passes_do_not_take(monkeypatch):
+    assert not syncbn_fused.handles(torch.randn(2, 3))  # CUDA inputs only
+    paths = []
     monkeypatch.setattr(syncbn_fused, "handles", lambda x: True)
-    monkeypatch.setattr(syncbn_fused.FusedSyncBatchNorm, "apply", lambda *args: calls.append(args) or args[0])
-    SyncBatchNorm(3, force_sync=True)(torch.randn(4, 3))
-    SyncBatchNorm(3, force_sync=True, compile=True)(torch.randn(4, 3))  # compile=True: the compiled set's path
-    SyncBatchNorm(3)(torch.randn(4, 3))  # nothing synchronised: torch's native batch norm
+    monkeypatch.setattr(syncbn_fused.FusedSyncBatchNorm, "apply", lambda *args: paths.append("fused") or args[0])
+    kernels_path = lambda kernels: "compiled" if kernels is syncbn.COMPILED_KERNELS else "eager"  # noqa: E731
+    monkeypatch.setattr(syncbn, "sync_batch_norm", lambda x, *args: paths.append(kernels_path(args[-2])) or x)
+    small, large = torch.randn(4, 3), torch.randn(4, 3, 128, 128)  # the compiled passes leave (N, C), take this
+    SyncBatchNorm(3, force_sync=True)(small)
+    SyncBatchNorm(3, force_sync=True, compile=True)(small)  # left by the compiled passes: the default path
+    SyncBatchNorm(3, force_sync=True, compile=True)(large)
+    SyncBatchNorm(3)(small)  # nothing synchronised: torch's native batch norm
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    SyncBatchNorm(3, force_sync=True)(torch.randn(4, 3))  # traced by torch.compile: the eager kernel's ops
-    assert len(calls) == 1
+    SyncBatchNorm(3, force_sync=True)(small)  # traced by torch.compile: the eager kernel's ops
+    assert paths == ["fused", "fused", "compiled", "eager"]

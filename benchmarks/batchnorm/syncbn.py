@@ -10,9 +10,9 @@ Per shape (PER RANK: the assignment's 8 (N, C) and 4 (N, C, H, W) shapes), one f
 ``custom`` (``parallel.batchnorm.syncbn.SyncBatchNorm``, its collectives through gloo), ``shared`` (the same layer
 with its statistics through shared memory, as ``custom_ddp`` runs it on one CPU host:
 ``parallel.host.host_exchange``; target shared <= 1.0x floor), ``compiled`` (the same with ``compile=True``: its
-passes ``torch.compile``'d; (N, C) and small inputs stay eager by design, see
-``parallel/batchnorm/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor`` (local BN,
-then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
+passes ``torch.compile``'d; (N, C) and small inputs take the layer's default path by design -- eager on CPU, the
+Triton kernels on CUDA --, see ``parallel/batchnorm/syncbn_kernels.py``), ``local`` (torch's BatchNorm), ``floor``
+(local BN, then two ``all_reduce`` of 2C+1 floats, timed as ONE call: the least any synchronised BN does) and
 on CUDA ``torch_syncbn`` (torch's SyncBatchNorm autograd Function, called even on one rank, where its
 module would run cuDNN's BN) and ``eager`` (the eager reference kernel; ``custom`` is then the layer's CUDA
 path, its Triton kernels: ``parallel/batchnorm/syncbn_fused.py``); targets custom <= 1.2x floor (CPU),

@@ -57,7 +57,8 @@ class SyncBatchNorm(_BatchNorm):
             the eager kernel, fused: :mod:`parallel.batchnorm.syncbn_kernels`); the first training step
             compiles (~20 s on CPU with a cold inductor cache, ~3 s per new layer shape). If
             compiling fails the layer warns once and runs eagerly. Off by default: see docs/strategy.md. Without
-            it, CUDA inputs run the Triton kernels of :mod:`parallel.batchnorm.syncbn_fused` (if Triton imports).
+            it, and with it for the inputs the compiled passes leave ((N, C) and small ones), CUDA inputs run the
+            Triton kernels of :mod:`parallel.batchnorm.syncbn_fused` (if Triton imports).
         force_sync: Run the hand-written synchronising kernel where nothing is synchronised as well
             (a one-rank group: its collectives run on it; no process group: local statistics), not
             torch's native batch norm: for benchmarks and tests of the kernel.
@@ -144,13 +145,15 @@ class SyncBatchNorm(_BatchNorm):
             output = F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, momentum, self.eps)
         else:
             args = (self.weight, self.bias, running_mean, running_var, momentum, self.eps, group, world_size)
-            # CUDA: the same math in Triton kernels; in a model the user compiles, the eager ops, which dynamo traces.
-            if not self.compile_kernel and not torch.compiler.is_compiling() and syncbn_fused.handles(input):
+            # compile=True: the compiled passes where they apply; an input they leave ((N, C), small) takes the
+            # default path. CUDA: the same math in Triton kernels; in a model the user compiles, the eager ops, which
+            # dynamo traces.
+            compiled = self.compile_kernel and COMPILED_KERNELS.handles(input)
+            if not compiled and not torch.compiler.is_compiling() and syncbn_fused.handles(input):
                 output = syncbn_fused.FusedSyncBatchNorm.apply(input, *args)
             else:
-                kernels = COMPILED_KERNELS if self.compile_kernel else None
                 exchange = self._exchange if group is not None else None
-                output = sync_batch_norm(input, *args, kernels, exchange)
+                output = sync_batch_norm(input, *args, COMPILED_KERNELS if compiled else None, exchange)
         if running_mean is not None:
             # Counted once the statistics are in, as the running averages are: a forward that fails in
             # its collective (a peer lost) leaves the layer as it was, and a checkpoint written then
