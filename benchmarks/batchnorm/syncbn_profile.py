@@ -5,12 +5,12 @@
 
 On a 1-rank group (NCCL on a GPU, gloo on CPU), per shape, one forward+backward of each layer of
 :func:`benchmarks.batchnorm.syncbn.layer_calls`: ``custom`` (the layer, its synchronising path forced: on CUDA its
-Triton kernels), on CUDA ``eager`` (its eager reference kernel, which ``compile=True`` also runs on (N, C) inputs)
-and ``torch_syncbn`` (torch's SyncBatchNorm Function), and ``local`` (torch's BatchNorm), in interleaved rounds,
-each call timed two ways: ``host``, the seconds until the call returns to Python (its Python, dispatch, kernel
-launches and the collectives' enqueueing; the device may still be running), and ``call``, until the device has
-finished (CUDA events around it, after a synchronize; on CPU the two are the same). ``host / call`` near 1: the host
-bounds the call, and fewer launches or less Python would pay; well under 1: the device does, and the kernels'
+Triton kernels), on CUDA ``eager`` (its eager reference kernel: the fallback where Triton is missing or fails its
+self-check) and ``torch_syncbn`` (torch's SyncBatchNorm Function), and ``local`` (torch's BatchNorm), in interleaved
+rounds, each call timed two ways: ``host``, the seconds until the call returns to Python (its Python, dispatch,
+kernel launches and the collectives' enqueueing; the device may still be running), and ``call``, until the device
+has finished (CUDA events around it, after a synchronize; on CPU the two are the same). ``host / call`` near 1: the
+host bounds the call, and fewer launches or less Python would pay; well under 1: the device does, and the kernels'
 memory traffic would. Then ``torch.profiler`` over a few calls of ``custom`` and ``eager``: their ops and kernels by
 self host time, by the memory each op allocated (the SyncBN record's peak memory, op by op) and, on CUDA, by device
 time. No target: this tells the SyncBN benchmark's ratios (:mod:`benchmarks.batchnorm.syncbn`) where to look.
