@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as _torch_sync_batch_norm  # private: torch's SyncBN kernels
 
 import parallel.batchnorm.syncbn
-from benchmarks.batchnorm.syncbn_report import TITLE, headline, write
+from benchmarks.batchnorm.syncbn_report import TITLE, headline, parse_shape, write
 from benchmarks.harness import parse, parser, run_benchmark, slowest_ranks, timed_rounds
 from collectives.launcher import run_workers
 from measure.memory import allocated_peak, measure_peak
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--shapes",
         nargs="+",
-        type=lambda s: tuple(map(int, s.split("x"))),
+        type=parse_shape,
         help="per-rank shapes such as 32x128 32x64x16x16 (default: the 12 above)",
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")

@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.batchnorm.syncbn import layer_calls
+from benchmarks.batchnorm.syncbn_report import parse_shape, shape_label
 from benchmarks.harness import interleave, parse, parser, round_estimates, run_benchmark, settings
 from benchmarks.report import fmt_value, headline_row, publish, table
 from collectives.launcher import run_workers
@@ -105,10 +106,6 @@ def _worker(rank: int, world_size: int, shapes: list, cfg: dict) -> dict[str, An
     return {"rows": rows, "threads": torch.get_num_threads()}
 
 
-def _shape(row: dict[str, Any]) -> str:
-    return "x".join(map(str, row["shape"]))
-
-
 def _methods(row: dict[str, Any]) -> list[str]:
     return [name for name in METHODS if f"{name} call" in row["samples_s"]]
 
@@ -126,12 +123,12 @@ def write(record: dict[str, Any], out: Path) -> None:
     share = lambda row: row["median_s"]["custom share"]  # noqa: E731
     lowest = min(rows, key=lambda row: share(row)["value"])
     record["headline"] = [
-        headline_row(f"custom: host / call, the most device-bound shape ({_shape(lowest)})", share(lowest), "x"),
+        headline_row(f"custom: host / call, the most device-bound shape ({shape_label(lowest)})", share(lowest), "x"),
         headline_row(f"custom: host / call, shapes above 0.8 (host-bound) of {len(rows)}",
                      sum(share(row)["value"] > 0.8 for row in rows)),
     ]  # fmt: skip
     cells = [
-        [_shape(row), name, *(fmt_value(row["median_s"][f"{name} {kind}"], "s") for kind in ("host", "call")),
+        [shape_label(row), name, *(fmt_value(row["median_s"][f"{name} {kind}"], "s") for kind in ("host", "call")),
          fmt_value(row["median_s"][f"{name} share"])]
         for row in rows
         for name in _methods(row)
@@ -139,7 +136,7 @@ def write(record: dict[str, Any], out: Path) -> None:
     body = ["## Host and call time per method", "", *table("shape | method | host | call | host / call", cells)]
     for row in rows:
         for what, text in row["profile"].items():
-            body += ["", f"## {_shape(row)}: torch.profiler, {what}", "", "```", text.rstrip(), "```"]
+            body += ["", f"## {shape_label(row)}: torch.profiler, {what}", "", "```", text.rstrip(), "```"]
     publish(out, record, TITLE, body)
 
 
@@ -149,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the input's dtype")
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     p.add_argument("--iters", type=int, help=f"calls per method per round (default {FULL['iters']})")
-    p.add_argument("--shapes", nargs="+", type=lambda s: tuple(map(int, s.split("x"))), help="e.g. 32x128 8x16x8x8")
+    p.add_argument("--shapes", nargs="+", type=parse_shape, help="e.g. 32x128 8x16x8x8")
     args = parse(p, argv, FULL, QUICK)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     backend = "nccl" if args.device == "cuda" else "gloo"

@@ -11,7 +11,7 @@ from typing import Any
 from benchmarks.harness import round_estimates, verdict
 from benchmarks.report import Panel, fmt_bytes, fmt_value, headline_row, publish, table
 
-__all__ = ["KERNELS", "estimates", "headline", "shape_kind", "write"]
+__all__ = ["KERNELS", "estimates", "headline", "parse_shape", "shape_kind", "shape_label", "write"]
 
 KERNELS = ("custom", "shared", "compiled", "eager")  # the numerators of every ratio
 SHARED_TARGET = 1.0  # max shared/floor: the statistics through shared memory cost no more than 2 gloo all-reduces
@@ -24,8 +24,14 @@ def shape_kind(shape: list[int] | tuple[int, ...]) -> str:
     return "conv" if len(shape) >= 4 else "nc"
 
 
-def _shape(row: dict[str, Any]) -> str:
+def shape_label(row: dict[str, Any]) -> str:
+    """A record row's shape as the command line writes it: ``32x64x16x16``."""
     return "x".join(map(str, row["shape"]))
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """A ``--shapes`` value (``32x64x16x16``) as a shape tuple."""
+    return tuple(map(int, text.split("x")))
 
 
 def estimates(samples: dict[str, list[float]], run_length: int) -> dict[str, Any]:
@@ -50,7 +56,7 @@ def _kind_rows(rows: list[dict], key: str, targets: dict[str, float], what: str,
     worst, _, target = max(judged, key=lambda j: j[0]["ratios"][key]["value"])
     tally, label = Counter(v for _, v, _ in judged), KINDS[kind]
     return [
-        headline_row(f"{what}: worst {label} shape ({_shape(worst)})", worst["ratios"][key], "x", target),
+        headline_row(f"{what}: worst {label} shape ({shape_label(worst)})", worst["ratios"][key], "x", target),
         headline_row(
             f"{what}: {label} shapes meeting <= {target:g}",
             f"{tally['met']} met, {tally['missed']} missed, {tally['undecided']} undecided of {len(judged)}",
@@ -66,7 +72,7 @@ def _memory_rows(rows: list[dict], base: str, ranks: str) -> list[dict[str, Any]
     peaks = [(row["peak_bytes"]["custom"] / row["peak_bytes"][base], row) for row in rows]
     ratio, worst = max(peaks, key=lambda peak: peak[0])
     extra = fmt_bytes(worst["peak_bytes"]["custom"] - worst["peak_bytes"][base])
-    what = f"SyncBN peak memory / {base}, {ranks}: worst shape ({_shape(worst)}, {extra} more)"
+    what = f"SyncBN peak memory / {base}, {ranks}: worst shape ({shape_label(worst)}, {extra} more)"
     met = sum(peak <= 1.0 for peak, _ in peaks)
     return [
         headline_row(what, round(ratio, 4), "x", 1.0),
@@ -96,12 +102,12 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
     if floors:  # what a layer written as a Python autograd.Function pays before any arithmetic
         worst = max(floors, key=lambda r: r["ratios"]["python_floor/local"]["value"])
         what = "Python autograd.Function floor (copies x and grad) / torch BatchNorm, 1 rank: worst (N, C) shape"
-        what += f" ({_shape(worst)})"
+        what += f" ({shape_label(worst)})"
         out.append(headline_row(what, worst["ratios"]["python_floor/local"], "x"))
     for shapes, when in ((rows, "empty inductor cache, 2-rank run"), (one_rank, "warm cache, 1-rank run after it")):
         if any("compile_s" in row for row in shapes):  # the first shape pays the fixed cost, later ones their graphs
             first, rest = shapes[0].get("compile_s", 0.0), [row.get("compile_s", 0.0) for row in shapes[1:]]
-            what = f"SyncBN compiled: first call ({when}): first shape ({_shape(shapes[0])}) / slowest later shape"
+            what = f"SyncBN compiled: first call ({when}): first shape ({shape_label(shapes[0])}) / slowest later shape"
             out.append(headline_row(what, f"{first:.1f} s / {max(rest, default=0.0):.1f} s"))
     return out
 
@@ -112,7 +118,7 @@ def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> l
     headers = ["shape per rank", *methods, *(k.replace("/", " / ") for k in keys)]
     headers += [f"{key} verdict", f"{key} CI includes 1?", *(f"{m} peak memory" for m in memory)]
     cells = [
-        [_shape(row), *(fmt_value(row["median_s"][m], "s") for m in methods)]
+        [shape_label(row), *(fmt_value(row["median_s"][m], "s") for m in methods)]
         + [fmt_value(row["ratios"][k]) for k in keys]
         + [f"{v} (<= {t:g})", row["ratios"][key]["low"] <= 1.0 <= row["ratios"][key]["high"]]
         + [fmt_bytes(row["peak_bytes"][m]) for m in memory]
@@ -124,7 +130,7 @@ def _table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> l
 def _compiled_table(rows: list[dict[str, Any]], key: str, targets: dict[str, float]) -> list[str]:
     """The compiled kernel's verdicts and first-call (compile) time per shape."""
     cells = [
-        [_shape(row), fmt_value(row["ratios"][key]), fmt_value(row["ratios"].get("compiled/custom"))]
+        [shape_label(row), fmt_value(row["ratios"][key]), fmt_value(row["ratios"].get("compiled/custom"))]
         + [f"{v} (<= {t:g})", fmt_value(row.get("compile_s"), "s")]
         for row, v, t in _judged(rows, key, targets)
     ]
@@ -162,7 +168,7 @@ def _body(record: dict[str, Any]) -> list[str]:
 
 def _panels(record: dict[str, Any]) -> list[Panel]:
     cfg, rows, one_rank = record["config"], record["rows"], record["one_rank_rows"]
-    groups = [_shape(row) for row in rows]
+    groups = [shape_label(row) for row in rows]
     times = {m: [row["median_s"][m] for row in rows] for m in rows[0]["median_s"]}
     shown = {k: [row["ratios"][k] for row in rows] for k in rows[0]["ratios"]}
     shown |= {f"{k}/native, 1 rank": [row["ratios"].get(f"{k}/local") for row in one_rank] for k in KERNELS}
