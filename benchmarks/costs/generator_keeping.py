@@ -3,7 +3,7 @@
 With ``exact_resume`` each rank keeps its generators at every point where an accumulation window may
 begin, and threads write them to the job's TCP store and, under Lightning's launchers, to the mirror
 rank 1 hosts (``strategies/window_generators.py``). Two CPU ranks (fork + gloo, 1 thread each) run
-custom_ddp's training step by hand on the quickstart's template net (batch 128 per rank,
+custom_ddp's training step by hand on the quickstart's template net (batch 128 per rank, 16 with ``--quick``,
 SyncBatchNorm, the bucketed gradient all-reduce, SGD), with a keep at each step's start (where the
 watchdog keeps them: after the previous step's batch) and without, in interleaved rounds: ``off``
 (no keeping), ``store`` (the job's store only: torchrun's agent store) and ``store + mirror`` (the
@@ -39,7 +39,7 @@ from parallel.resume.rng_state import encode_rng_state, rng_state
 from strategies.fault_tolerance import WindowGenerators, connect_store
 
 MODES = ("off", "store", "store + mirror")
-BATCH = 128
+BATCH, QUICK_BATCH = 128, 16  # --quick checks that the entry point runs: a small batch, one warm-up step
 TITLE = "Cost of keeping every rank's random generators per optimizer step (exact_resume)"
 
 
@@ -55,11 +55,11 @@ def _keepers(rank: int, world_size: int, port: int) -> dict[str, WindowGenerator
     }
 
 
-def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: int, steps: int) -> dict[str, Any]:
+def _steps_worker(rank: int, world_size: int, port: int, cfg: dict[str, int]) -> dict[str, Any]:
     torch.manual_seed(rank)
     model = SyncedDataParallel(SyncBatchNorm.convert(TemplateNet(num_classes=100)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 100, (BATCH,))
+    x, y = torch.randn(cfg["batch"], 3, 32, 32), torch.randint(0, 100, (cfg["batch"],))
     keepers = _keepers(rank, world_size, port)
     dist.barrier()  # rank 1's mirror is published before anyone writes to it
 
@@ -74,7 +74,6 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
 
         return run
 
-    cfg = {"warmup": warmup, "rounds": rounds, "iters": steps}
     times = harness.timed_rounds({mode: step(keeper) for mode, keeper in keepers.items()}, cfg)
     for keeper in keepers.values():
         if keeper is not None:
@@ -82,11 +81,10 @@ def _steps_worker(rank: int, world_size: int, port: int, warmup: int, rounds: in
     return times
 
 
-def _measure(warmup: int, rounds: int, steps: int) -> dict[str, list[float]]:
+def _measure(cfg: dict[str, int]) -> dict[str, list[float]]:
+    """Per mode, the slowest rank's step times (``cfg``: warmup, rounds, iters a round, batch)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    return harness.slowest_ranks(
-        run_workers(_steps_worker, 2, args=(server.port, warmup, rounds, steps), timeout_s=600)
-    )
+    return harness.slowest_ranks(run_workers(_steps_worker, 2, args=(server.port, cfg), timeout_s=600))
 
 
 def _time_calls(call: Callable[[], Any], calls: int) -> list[float]:
@@ -94,10 +92,10 @@ def _time_calls(call: Callable[[], Any], calls: int) -> list[float]:
     return [timer.timeit(50).mean for _ in range(calls)]  # a sample: the mean of 50 calls
 
 
-def _sections(rounds: int, steps: int) -> dict[str, Any]:
+def _sections(cfg: dict[str, int]) -> dict[str, Any]:
     """The step per mode (its rounds resampled whole), its cost and ratio against ``off``; reading and
     encoding the generators, timed on their own."""
-    times = {mode: in_runs(samples, steps) for mode, samples in _measure(3, rounds, steps).items()}
+    times = {mode: in_runs(samples, cfg["iters"]) for mode, samples in _measure(cfg).items()}
     state = rng_state()
     calls = {
         "rng_state": _time_calls(rng_state, 40),
@@ -134,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, rounds, steps = harness.parse_step_rounds(
         "generator_keeping", __doc__, argv, rounds=20, steps=10, quick=(2, 2)
     )
-    config = {"rounds": rounds, "steps": steps, "batch": BATCH, "threads": 1}
-    measure = lambda: _sections(rounds, steps)  # noqa: E731
+    batch, warmup = (QUICK_BATCH, 1) if args.quick else (BATCH, 3)
+    config = {"rounds": rounds, "steps": steps, "batch": batch, "threads": 1}
+    measure = lambda: _sections({"warmup": warmup, "rounds": rounds, "iters": steps, "batch": batch})  # noqa: E731
     return harness.run_benchmark(
         "costs.generator_keeping", config, argv, _publish, measure, args.out, args.max_wait_s, timed=False
     )
