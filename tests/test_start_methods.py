@@ -53,9 +53,13 @@ REFERENCE = ("ddp_fork", None)
 # process; the training conformance fits), and its name is the class with fork (the test named above). The spawn
 # name's run (40-55 s: spawned workers import everything afresh at every stage) is slow too: what spawn adds to fork
 # is the pickling of the trainer with its strategy and launcher into each new process, which
-# test_spawn_pickles_the_trainer_with_its_strategy_and_launcher checks in one process. One run by default: popen
-# (Lightning's default, a script re-run), which no other test starts from a name.
+# test_spawn_pickles_the_trainer_with_its_strategy_and_launcher checks in one process. The popen run (Lightning's
+# default, a script re-run; 30-50 s with its ddp reference, the default suite's longest but one) is slow as well: the
+# registered name under popen fits in the quickstart test (tests/test_train_cli.py) and predicts with an option in
+# tests/test_custom_ddp_cli.py, both re-run by the child; validate and test run the same strategy code under every
+# launcher, and match ddp on BoringModel under fork (tests/test_conformance_eval.py, tests/test_conformance_fit.py).
 _SLOW_RUNS = (
+    "custom_ddp",
     "custom_ddp_fork",
     "custom_ddp_spawn",
     *(f"CustomDDPStrategy(start_method={method})" for method in ("popen", "fork", "spawn")),
