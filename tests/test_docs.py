@@ -151,3 +151,17 @@ def test_every_generated_block_is_in_its_generators_page_once():
             assert (text.count(begin), text.count(end)) == (expected, expected), (other.name, begin)
         text = page.read_text()
         assert text.index(begin) < text.index(end)
+
+
+def _pinned(constraints: str, package: str) -> str:
+    """The version ``constraints`` (a file at the repository's root) pins ``package`` to."""
+    (version,) = re.findall(rf"^{package}==(\S+)$", (ROOT / constraints).read_text(), flags=re.MULTILINE)
+    return version
+
+
+def test_readme_names_the_torch_each_constraints_file_pins():
+    """The versions line names both ends CI tests: an upgrade of either constraints file updates the README too."""
+    text = " ".join(README.read_text().split())
+    newest, oldest = _pinned("constraints.txt", "torch"), _pinned("constraints-floor.txt", "torch")
+    assert f"`constraints.txt` pins the set these commands install (torch {newest}, the newest release)" in text
+    assert f"`constraints-floor.txt` the oldest (torch {oldest})" in text
