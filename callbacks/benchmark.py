@@ -99,7 +99,8 @@ class BenchmarkMonitor(Callback):
         self._fit, self._epochs = EpochTiming(), []
         # Usage after the data and the model exist but before the strategy wraps the model: the
         # peak above it is what distributed training adds (wrappers, gradient buckets, gradients,
-        # optimizer state, activations, synchronisation buffers).
+        # optimizer state, activations, synchronisation buffers). On CPU both are RSS: a model that adds less than
+        # the process returns to the kernel between here and the epoch reads a peak below it (a negative value).
         self._fit_peak = {"start_bytes": self._memory.current()}
 
     @override

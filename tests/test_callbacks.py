@@ -217,7 +217,12 @@ def _check_report(report: dict, world_size: int, epochs: int) -> None:
         assert 0 < merged["step_s_median"] <= merged["time_s"]
         assert merged["micro_batch_s_median"] < merged["step_s_median"]
         assert merged["peak_bytes"] > 10 * 2**20 and merged["peak_reserved_bytes"] is None
-        assert 0 < merged["peak_above_start_bytes"] < merged["peak_bytes"]
+        # The peak above the RSS at setup: what training added. Its sign is not asserted: this toy adds 12 MiB in a
+        # fresh process but 24-28 KiB in one that ran fits before, which may return more between setup and the
+        # epoch (-1.1 MiB seen in a test worker).
+        starts = [p - a for p, a in zip(per_rank["peak_bytes"], per_rank["peak_above_start_bytes"], strict=True)]
+        assert all(start > 10 * 2**20 for start in starts), starts
+        assert merged["peak_above_start_bytes"] < merged["peak_bytes"]
         assert merged["samples_per_s"] > 0
     assert report["epochs"][0]["per_rank"]["samples"] == [48 / world_size] * world_size
     assert report["summary"]["per_rank"]["step_s_count"] == [epochs * steps_per_rank - 1] * world_size
