@@ -1,5 +1,6 @@
 """The Lightning test-suite runner's parts without Lightning's tests: the name swap, the launch log, the
-JUnit reading and comparison, the docs block, a hung run's end (conformance/lightning_suite/)."""
+JUnit reading and comparison, the reruns of flaky tests, the docs block, a hung run's end
+(conformance/lightning_suite/)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer import call
 
 from conformance.lightning_suite import pytest_run, run, swap
-from conformance.lightning_suite.outcomes import compare, outcome_table, parse_junit, parse_verbose_log
+from conformance.lightning_suite.outcomes import (
+    compare,
+    outcome_table,
+    parse_junit,
+    parse_verbose_log,
+    render_markdown,
+    with_reruns,
+    worse,
+)
 from conformance.lightning_suite.selection import expected_difference
 from strategies import CustomDDPStrategy
 
@@ -179,8 +188,10 @@ def test_junit_reports_become_outcomes_per_node_id(tmp_path: Path) -> None:
     }
 
 
-def _record(tmp_path: Path) -> dict[str, Any]:
-    outcomes = {"ddp": _junit(tmp_path, "ddp.xml", JUNIT_DDP), "custom_ddp": _junit(tmp_path, "c.xml", JUNIT_CUSTOM)}
+def _record(tmp_path: Path, custom_log: str = "") -> dict[str, Any]:
+    """A record of the two JUnit reports; ``custom_log``: the custom_ddp run's ``pytest -v`` output."""
+    custom = with_reruns(_junit(tmp_path, "c.xml", JUNIT_CUSTOM), custom_log)
+    outcomes = {"ddp": _junit(tmp_path, "ddp.xml", JUNIT_DDP), "custom_ddp": custom}
     launch = {"test": "tests_pytorch/m/test_a.py::test_both", "start_method": "spawn", "num_processes": 2}
     launches = {
         "ddp": [{**launch, "strategy": "DDPStrategy"}, {**launch, "test": UNUSED, "strategy": "DDPStrategy"}],
@@ -220,6 +231,28 @@ def test_a_page_without_markers_is_left_unchanged(tmp_path: Path) -> None:
     assert "old" not in text and text.startswith("before\n") and text.endswith("after\n")
     assert "| ran | 5 | 3 |" in text
     assert "**unexpected**" in text and "wrong \\| sum; then RuntimeError" in text  # a table cell: | escaped
+    assert "Run again" not in text  # no test was
+
+
+# pytest-rerunfailures' lines: test_both failed twice, then passed; its JUnit report holds the pass only.
+RERUN_LOG = """tests_pytorch/m/test_a.py::test_both RERUN                                  [ 50%]
+tests_pytorch/m/test_a.py::test_both RERUN                                  [ 50%]
+tests_pytorch/m/test_a.py::test_both PASSED                                 [ 50%]
+tests_pytorch/m/test_a.py::TestK::test_m[ddp] FAILED                        [100%]
+"""
+
+
+def test_the_failed_tries_of_a_flaky_test_are_counted_and_shown(tmp_path: Path) -> None:
+    record = _record(tmp_path, custom_log=RERUN_LOG)
+    summary = record["summary"]
+    both = "tests_pytorch/m/test_a.py::test_both"
+    assert summary["reruns"] == {"ddp": {}, "custom_ddp": {both: 2}}
+    assert summary["passed_in_both"] == 1  # the last try is the outcome
+    text = render_markdown(record)
+    assert "`flaky` marks" in text and f"ddp: none; custom_ddp: `{both}` (2x)." in text
+    # A test reported twice (a call, then its teardown) keeps its tries.
+    merged = worse({"outcome": "failed", "reruns": 1}, {"outcome": "error", "message": "teardown"})
+    assert merged == {"outcome": "error", "message": "teardown", "reruns": 1}
 
 
 def _state(pid: int) -> str:

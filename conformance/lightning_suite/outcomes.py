@@ -2,7 +2,10 @@
 
 Outcomes: ``passed``, ``skipped``, ``xfailed``, ``failed``, ``error`` (collection, setup or teardown),
 and ``timeout`` (set by the runner for the test a killed run was in). A test reported twice (a failed
-call, then a teardown error) keeps the worse, with both messages. Pure Python: no Lightning, no torch.
+call, then a teardown error) keeps the worse, with both messages. A test Lightning marks ``flaky`` is run
+again after a failure (pytest-rerunfailures, as in Lightning's CI); JUnit keeps only its last try, so the
+tries before it are counted from the ``RERUN`` lines of ``pytest -v`` and kept with the outcome, in the
+record and its summary. Pure Python: no Lightning, no torch.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CUSTOM_CLASS", "MODES", "compare", "launch_counts", "parse_junit", "parse_verbose_log", "render_markdown"]
-__all__ += ["outcome_table", "worse"]
+__all__ += ["outcome_table", "with_reruns", "worse"]
 
 MODES = ("ddp", "custom_ddp")
 CUSTOM_CLASS = "CustomDDPStrategy"  # the class name the plugin logs for a custom_ddp launch
 _SEVERITY = ("passed", "skipped", "xfailed", "failed", "error", "timeout")  # later is worse
 _UNFINISHED = {"failed", "error", "timeout"}
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+)(?: (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR))?")
+_RERUN_LINE = re.compile(r"^(\S+::\S+) RERUN\b")  # pytest-rerunfailures: a failed try, run again
 _VERBOSE_OUTCOMES = dict(
     PASSED="passed", XPASS="passed", FAILED="failed", SKIPPED="skipped", XFAIL="xfailed", ERROR="error"
 )
@@ -59,12 +63,17 @@ def _case_outcome(case: ElementTree.Element) -> dict[str, str]:
     return {"outcome": "passed"}
 
 
-def worse(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+def worse(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """The worse of two outcomes of one test, with both messages in order (a failed call's first: it is
     what the test checks, a teardown error after it is mostly its consequence)."""
-    worst = max(a, b, key=lambda result: _SEVERITY.index(result["outcome"]))
+    worst: dict[str, Any] = {"outcome": max(a["outcome"], b["outcome"], key=_SEVERITY.index)}
     messages = [result["message"] for result in (a, b) if result.get("message")]
-    return {"outcome": worst["outcome"], "message": "; then ".join(messages)} if messages else worst
+    if messages:
+        worst["message"] = "; then ".join(messages)
+    reruns = a.get("reruns", 0) + b.get("reruns", 0)
+    if reruns:
+        worst["reruns"] = reruns
+    return worst
 
 
 def parse_junit(path: Path) -> dict[str, dict[str, str]]:
@@ -91,6 +100,15 @@ def parse_verbose_log(text: str, target: str, outcome: str, why: str) -> dict[st
     running = next((test for test in reversed(started) if test not in results), target)
     results[running] = {"outcome": outcome, "message": why}
     return results
+
+
+def with_reruns(results: dict[str, dict[str, Any]], log_text: str) -> dict[str, dict[str, Any]]:
+    """``results`` with ``"reruns": n`` on each test that ``log_text`` (``pytest -v``) shows run again n times."""
+    tries = Counter(match.group(1) for line in log_text.splitlines() if (match := _RERUN_LINE.match(line)))
+    return {
+        test_id: {**result, "reruns": tries[test_id]} if tries[test_id] else result
+        for test_id, result in results.items()
+    }
 
 
 def launch_counts(launches: Iterable[dict[str, Any]], strategy: str | None = None) -> Counter[str]:
@@ -121,9 +139,10 @@ def _launched(launches: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def outcome_table(
-    outcomes: dict[str, dict[str, dict[str, str]]], launches: dict[str, list[dict[str, Any]]], standalone: set[str]
+    outcomes: dict[str, dict[str, dict[str, Any]]], launches: dict[str, list[dict[str, Any]]], standalone: set[str]
 ) -> dict[str, dict[str, Any]]:
-    """``{test id: {mode: outcome, "messages": {mode: first line}, "launches": {mode: n}, "standalone": True}}``."""
+    """``{test id: {mode: outcome, "messages": {mode: first line}, "launches": {mode: n}, "reruns": {mode: n},
+    "standalone": True}}``."""
     counts = {mode: launch_counts(launches[mode]) for mode in MODES}
     tests: dict[str, dict[str, Any]] = {}
     for test_id in sorted(set().union(*outcomes.values())):
@@ -131,7 +150,14 @@ def outcome_table(
         entry: dict[str, Any] = {mode: result["outcome"] for mode, result in results.items()}
         messages = {mode: result["message"] for mode, result in results.items() if result.get("message")}
         launched = {mode: counts[mode][test_id] for mode in MODES if counts[mode][test_id]}
-        for key, value in (("messages", messages), ("launches", launched), ("standalone", test_id in standalone)):
+        reruns = {mode: result["reruns"] for mode, result in results.items() if result.get("reruns")}
+        extras = (
+            ("messages", messages),
+            ("launches", launched),
+            ("reruns", reruns),
+            ("standalone", test_id in standalone),
+        )
+        for key, value in extras:
             if value:
                 entry[key] = value
         tests[test_id] = entry
@@ -187,6 +213,10 @@ def compare(
             test_id for test_id, test in tests.items() if {test.get(mode) for mode in MODES} <= _UNFINISHED
         ),
         "launched": _launched(launches),
+        "reruns": {
+            mode: {test_id: test["reruns"][mode] for test_id, test in tests.items() if mode in test.get("reruns", {})}
+            for mode in MODES
+        },
     }
 
 
@@ -225,6 +255,22 @@ def _difference_rows(summary: dict[str, Any]) -> list[str]:
     return header + [f"| {test} | {_escape(a)} | {_escape(b)} | {_escape(why)} |" for test, a, b, why in _grouped(rows)]
 
 
+def _reruns_sentence(summary: dict[str, Any]) -> str:
+    """The tests run again under Lightning's ``flaky`` marks, per mode; nothing where none was."""
+    reruns = summary.get("reruns", {})  # absent from a record made before reruns were counted
+    if not any(reruns.values()):
+        return ""
+    parts = [
+        f"{mode}: "
+        + (", ".join(f"`{test}` ({n}x)" for test, n in reruns[mode].items()) if reruns.get(mode) else "none")
+        for mode in MODES
+    ]
+    return (
+        " Run again after a failure by Lightning's own `flaky` marks (pytest-rerunfailures, as in Lightning's CI; "
+        "the outcomes above are the last tries): " + "; ".join(parts) + "."
+    )
+
+
 def render_markdown(record: dict[str, Any]) -> str:
     """A short Markdown summary of a results record: versions, counts, and the table of differences."""
     summary, env, selection = record["summary"], record["environment"], record["selection"]
@@ -245,4 +291,5 @@ def render_markdown(record: dict[str, Any]) -> str:
             f" Launched processes under ddp but not as custom_ddp ({len(not_swapped)}: the test builds its strategy "
             "itself, no registry name to swap): " + ", ".join(f"`{test}`" for test in not_swapped) + "."
         )
+    tail += _reruns_sentence(summary)
     return "\n".join([head, "", *_count_rows(summary), "", tail, *_difference_rows(summary)]) + "\n"

@@ -16,7 +16,7 @@ from typing import Any
 
 from collectives.launcher import without_launch_variables
 from conformance.lightning_suite import selection, swap
-from conformance.lightning_suite.outcomes import parse_junit, parse_verbose_log
+from conformance.lightning_suite.outcomes import parse_junit, parse_verbose_log, with_reruns
 from measure.run_info import display_path
 
 __all__ = ["files_under", "pytest_env", "remove_left_behind", "run_process", "run_target"]
@@ -99,6 +99,7 @@ def run_target(tests: Path, target: str, mode: str, standalone: bool, name: Path
         results = parse_verbose_log(log.read_text(errors="replace"), target, "error", why)
     else:
         results = parse_junit(junit)
+    results = with_reruns(results, log.read_text(errors="replace"))
     run = {"target": target, "mode": mode, "status": status, "seconds": round(time.monotonic() - start, 1)}
     print(f"{mode:>10} {run['seconds']:6.1f} s status {status} {target} ({display_path(str(log))})", flush=True)
     launches = [json.loads(line) for line in launch_log.read_text().splitlines()] if launch_log.is_file() else []

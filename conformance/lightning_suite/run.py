@@ -11,7 +11,7 @@ of 2+ processes and the comparison go to ``conformance/results/lightning_suite/r
 ``results.md``. Getting Lightning's tests and their extra dependencies, not in this project's venv::
 
     git clone --depth 1 --branch 2.6.5 https://github.com/Lightning-AI/pytorch-lightning /tmp/pl
-    pip install --target /tmp/pl-extra cloudpickle scikit-learn
+    pip install --target /tmp/pl-extra cloudpickle scikit-learn pytest-rerunfailures
     PYTHONPATH=/tmp/pl-extra python -m conformance.lightning_suite.run --tests /tmp/pl/tests   # ~50 min, 2 cores
     python -m conformance.lightning_suite.run --tests /tmp/pl/tests --quick     # a smoke run, into a temp folder
     python -m conformance.lightning_suite.run --tests /tmp/pl/tests --work /tmp/ls   # killed? the same again resumes
@@ -55,7 +55,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "conformance" / "results" / "lightning_suite"
 BEGIN, END = "<!-- lightning-suite:begin -->", "<!-- lightning-suite:end -->"
 PAGE = REPO_ROOT / "docs" / "training-conformance.md"  # the manual's page that holds the block
-EXTRA_DEPENDENCIES = {"cloudpickle": "cloudpickle", "sklearn": "scikit-learn"}  # module: package
+# module: package. pytest-rerunfailures: Lightning's CI has it, so its tests marked flaky run again after a failure
+# (in both modes; the record counts the tries).
+EXTRA_DEPENDENCIES = {
+    "cloudpickle": "cloudpickle",
+    "sklearn": "scikit-learn",
+    "pytest_rerunfailures": "pytest-rerunfailures",
+}
 
 
 def _git(folder: Path, *args: str) -> str | None:
