@@ -15,7 +15,7 @@ forever in rank 1's ``training_step`` or block its DataLoader; one holds rank 0'
 counts the optimizer steps done before the fault that a resume re-does (from the checkpoint written
 after the fault, else the newest one before it)::
 
-    python -m conformance.faults.matrix                  # every row (~3 min on 2 cores), the page's block
+    python -m conformance.faults.matrix                  # every row (13 min on 2 Zen 3 cores), the page's block
     python -m conformance.faults.matrix --rows sigterm_rank1_train --out /tmp/fm   # the page untouched
 
 Writes ``results.json``, ``results.md`` and the block of ``docs/stopping-and-resuming.md``
