@@ -91,15 +91,16 @@ def run_target(tests: Path, target: str, mode: str, standalone: bool, name: Path
     start, before = time.monotonic(), files_under(tests)
     status = run_process(command, pytest_env(tests, mode, launch_log, standalone), tests, log, timeout)
     remove_left_behind(tests, before)
+    text = log.read_text(errors="replace")
     if status is None:
         why = f"no result after {timeout:.0f} s: the run was killed"
-        results = parse_verbose_log(log.read_text(errors="replace"), target, "timeout", why)
+        results = parse_verbose_log(text, target, "timeout", why)
     elif not junit.is_file():
         why = f"pytest ended with status {status} and no report: see its log"
-        results = parse_verbose_log(log.read_text(errors="replace"), target, "error", why)
+        results = parse_verbose_log(text, target, "error", why)
     else:
         results = parse_junit(junit)
-    results = with_reruns(results, log.read_text(errors="replace"))
+    results = with_reruns(results, text)
     run = {"target": target, "mode": mode, "status": status, "seconds": round(time.monotonic() - start, 1)}
     print(f"{mode:>10} {run['seconds']:6.1f} s status {status} {target} ({display_path(str(log))})", flush=True)
     launches = [json.loads(line) for line in launch_log.read_text().splitlines()] if launch_log.is_file() else []
