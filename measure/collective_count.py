@@ -252,7 +252,7 @@ def classify(prof: profile, model: nn.Module | None = None) -> list[Collective]:
     if tree is None:
         raise RuntimeError(
             f"torch {torch.__version__} has no profiler event tree; collective counting "
-            "needs torch >= 2.1 (tested with 2.14)."
+            "needs torch >= 2.1 (tested with 2.11 and 2.15)."
         )
     hints, found, marker_ns = _Hints.from_model(model), [], None
     stack = [(root, []) for root in reversed(tree())]
