@@ -123,12 +123,12 @@ def render_headline(results: Path = RESULTS, page: Path = README) -> str:
     for name, record in _records(results):
         if not name.startswith(HEADLINE_RECORDS):
             continue
-        where = machine(record["environment"])
+        where, torch_version = machine(record["environment"]), record["environment"]["versions"]["torch"]
         for row in _rows(_module(name, record), record):
             prefix = next((p for p in HEADLINE_WHAT if row["what"].startswith(p)), None)
             if prefix is not None:
                 cell = HEADLINE_WHAT[prefix] + row["what"].removeprefix(prefix)
-                what = f"{cell}; {where}, [{name}]({_report(name, page)})"
+                what = f"{cell}; {where}, torch {torch_version}, [{name}]({_report(name, page)})"
                 key, samples = (where, row["what"]), _samples(row["value"])
                 if key not in cells or samples > cells[key][0]:
                     cells[key] = (samples, {**row, "what": what})

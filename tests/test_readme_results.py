@@ -45,7 +45,7 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
 
     def record(name: str, cpu_id: str, rows: list[dict]) -> None:
         (tmp_path / name).mkdir()
-        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2}
+        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": f"2.{len(name)}.0"}}
         quiet = {"comparable": True, "load_before": 0.5, "foreign_share": 0.0}
         (tmp_path / name / "results.json").write_text(
             json.dumps({"headline": rows, "environment": env, "quietness": quiet})
@@ -73,6 +73,7 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
     rows = [line for line in block.splitlines() if line.startswith("| ") and "net, accumulate" in line]
     assert len(rows) == 4 and all(r.startswith("| local BN: ") for r in rows), block
     assert "0.977 [0.877, 1.08]" in block and "1.00 [0.904, 1.10]" not in block  # 120 pairs win over 40
+    assert "(2 cores), torch 2.15.0, [paired_fits_new]" in block  # each row names its record's torch
     assert "0.980 [0.880, 1.08]" in block and "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
     assert "unrelated" not in block and "something else" not in block
     assert "[paired_fits_new](benchmarks/results/paired_fits_new/results.md)" in block
