@@ -29,6 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pytest-xdist hands tests out in collection order: the long ones first (longest-first scheduling), so that
+    # none starts near the end and finishes the run alone on one worker while the others are idle.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 # Small enough that a 1-epoch Lightning fit takes a few seconds on one CPU core.
 TINY = {"synthetic_train_size": 400, "synthetic_test_size": 200, "val_size": 100, "batch_size": 64}
 

@@ -15,6 +15,7 @@ import torch
 import yaml
 from conformance_harness import one_process_trainer
 from entry_points import train_py_on_two_processes
+from train_cli_helpers import WARNING_LINE
 
 from lit_cifar.module import LitClassifier
 from lit_cifar.transforms import normalize
@@ -49,16 +50,19 @@ def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
     assert list(run_dir.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_predict_on_two_processes_by_registered_name_with_options(
     tmp_path: Path, data_dir: Path, tiny_datamodule
 ) -> None:
     """``train.py predict`` with ``custom_ddp`` + an option (the popen child re-parses the same argv):
-    the merged file equals one process's predictions row for row; per-rank files split the rows."""
+    the merged file equals one process's predictions row for row; per-rank files split the rows; no warning."""
     datamodule = tiny_datamodule()
     model = LitClassifier(net="template")
     checkpoint = tmp_path / "model.ckpt"
-    trainer = one_process_trainer(limit_train_batches=1, limit_val_batches=0)
+    trainer = one_process_trainer(
+        limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path / "fit"
+    )
     trainer.fit(model, datamodule=datamodule)
     trainer.save_checkpoint(checkpoint)
     per_rank = tmp_path / "parts" / "preds.pt"
@@ -84,6 +88,9 @@ def test_predict_on_two_processes_by_registered_name_with_options(
         "--data.val_size=100",
         "--data.eval_batch_size=30",
     )
+    # README's predict, as typed, prints no warning (test: tests/test_train_cli.py). Gone: the LeafSpec deprecation,
+    # and ModelCheckpoint's "The dirpath has changed" (the checkpoint's fit saved into another folder).
+    assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], output
     merged_path = tmp_path / "lightning_logs" / "version_0" / "predictions.pt"
     assert f"wrote predictions for 200 samples to {merged_path}" in output
     config = yaml.safe_load((merged_path.parent / "config.yaml").read_text())

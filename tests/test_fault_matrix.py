@@ -132,6 +132,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 _SHORT_SLOW = ("sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train")
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "name",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import once_per_run
@@ -90,9 +91,11 @@ _GROUPS = {"parallel": _modules(parallel), "collectives": _modules(collectives),
 
 
 @pytest.fixture(scope="session")
-def imports_without_lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """Per group, the modules that failed to import (module -> error) in ONE fresh interpreter where Lightning
-    cannot be imported at all, and the Lightning modules loaded at the end (key ``"lightning loaded"``)."""
+def fresh_interpreter(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """ONE fresh interpreter (each costs seconds of imports): first, where Lightning cannot be imported at all, per
+    group the modules that failed to import (module -> error) and the Lightning modules loaded at the end (key
+    ``"lightning loaded"``); then, Lightning importable again, whether ``import callbacks`` loaded it, the modules of
+    the callbacks' public names (key ``"callbacks"``), and the ``custom_ddp`` names ``import strategies`` registers."""
     code = f"""
         import importlib, json, sys
         for name in {_LIGHTNING_PACKAGES!r}:
@@ -106,42 +109,38 @@ def imports_without_lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[
                 except Exception as error:
                     failed[group][module] = repr(error)
         loaded = sorted(m for m in sys.modules if m.split('.')[0] in {_LIGHTNING_PACKAGES!r} and sys.modules[m])
-        print(json.dumps({{**failed, "lightning loaded": loaded}}))
-    """
-    return once_per_run(tmp_path_factory, "imports_without_lightning", lambda: json.loads(_run_fresh(code)))
-
-
-@pytest.mark.parametrize("group", list(_GROUPS))
-def test_package_imports_without_lightning(group, imports_without_lightning):
-    """Every module of the group imports where Lightning cannot be imported at all (one interpreter for the
-    three groups: a module of one group that imported Lightning would fail there as well)."""
-    assert imports_without_lightning[group] == {}
-    assert imports_without_lightning["lightning loaded"] == []
-
-
-@pytest.fixture(scope="session")
-def fresh_registry_and_callbacks(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """One fresh interpreter: whether ``import callbacks`` loads Lightning, the modules of its public names, then
-    the ``custom_ddp`` names registered by ``import strategies``."""
-    code = """
-        import sys
+        for name in {_LIGHTNING_PACKAGES!r}:
+            del sys.modules[name]
         import callbacks
-        before = 'lightning' in sys.modules
+        lightning_after_callbacks = 'lightning' in sys.modules
         from callbacks import BenchmarkMonitor, CollectiveCounter
-        print(before, BenchmarkMonitor.__module__, CollectiveCounter.__module__)
         import strategies
         from lightning.pytorch.strategies import StrategyRegistry
-        print(sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')))
+        print(json.dumps({{
+            **failed,
+            "lightning loaded": loaded,
+            "callbacks": [lightning_after_callbacks, BenchmarkMonitor.__module__, CollectiveCounter.__module__],
+            "custom_ddp names": sorted(name for name in StrategyRegistry if name.startswith('custom_ddp')),
+        }}))
     """
-    return once_per_run(tmp_path_factory, "fresh_registry_and_callbacks", lambda: _run_fresh(code).splitlines())
+    return once_per_run(tmp_path_factory, "fresh_interpreter", lambda: json.loads(_run_fresh(code)))
 
 
-def test_strategies_package_registers_custom_ddp(fresh_registry_and_callbacks):
-    assert fresh_registry_and_callbacks[1] == "['custom_ddp', 'custom_ddp_fork', 'custom_ddp_spawn']"
+@pytest.mark.long
+@pytest.mark.parametrize("group", list(_GROUPS))
+def test_package_imports_without_lightning(group, fresh_interpreter):
+    """Every module of the group imports where Lightning cannot be imported at all (one interpreter for the
+    three groups: a module of one group that imported Lightning would fail there as well)."""
+    assert fresh_interpreter[group] == {}
+    assert fresh_interpreter["lightning loaded"] == []
 
 
-def test_callbacks_load_lazily_by_their_public_names(fresh_registry_and_callbacks):
-    assert fresh_registry_and_callbacks[0].split() == ["False", "callbacks.benchmark", "callbacks.collective_counter"]
+def test_strategies_package_registers_custom_ddp(fresh_interpreter):
+    assert fresh_interpreter["custom_ddp names"] == ["custom_ddp", "custom_ddp_fork", "custom_ddp_spawn"]
+
+
+def test_callbacks_load_lazily_by_their_public_names(fresh_interpreter):
+    assert fresh_interpreter["callbacks"] == [False, "callbacks.benchmark", "callbacks.collective_counter"]
 
 
 _ROOMS = ("training", "evaluation", "resume", "stopping", "fault_tolerance")

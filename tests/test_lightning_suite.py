@@ -263,6 +263,7 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+@pytest.mark.long
 def test_a_hung_run_is_killed_with_its_processes_and_its_running_test_times_out(tmp_path: Path) -> None:
     hang = (
         "import subprocess, sys, time; rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "

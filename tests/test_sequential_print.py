@@ -28,6 +28,7 @@ def test_expected_text_is_what_the_issue_asks_for():
     assert _expected(2, 1, "ascending") == "Process 0\nProcess 1\n"
 
 
+@pytest.mark.long
 def test_torchrun_three_processes_stdout_is_exact():
     # One launch covers both directions: "both" prints ascending then descending.
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}

@@ -109,6 +109,7 @@ def test_predict_through_the_cli_writes_the_predictions(fit_run: tuple, data_dir
     assert torch.equal(saved["pred"], probs.argmax(dim=-1)) and torch.equal(saved["top5"][:, 0], saved["pred"])
 
 
+@pytest.mark.long
 @pytest.mark.distributed
 def test_quickstart_command_on_two_processes_ends_with_one_summary_and_a_quiet_console(tmp_path: Path) -> None:
     """README's first command as typed (custom_ddp, 2 processes started by popen, dataset=auto falling back to
@@ -197,13 +198,15 @@ def test_the_logger_follows_default_root_dir_unless_given_its_own(
     assert Path(cli.trainer.log_dir).parent == Path(save_dir.format(tmp=tmp_path)) / "lightning_logs"
 
 
-def test_test_and_predict_print_no_warning(tmp_path: Path, data_dir: Path, fit_run: tuple) -> None:
-    """README's test and predict of a fit's checkpoint (the module's one-process CLI fit), on tiny data, each in a
-    process of its own: no console line is a warning (the fit's console: the 2-process quickstart test). Gone:
-    torch's LeafSpec deprecation from Lightning's _pytree (every run) and ModelCheckpoint's "The dirpath has
-    changed" (the checkpoint's job folder is not this one). A new warning fails here."""
+@pytest.mark.long
+def test_test_prints_no_warning(tmp_path: Path, data_dir: Path, fit_run: tuple) -> None:
+    """``train.py test`` of a fit's checkpoint (the module's one-process CLI fit), on tiny data, in a process of its
+    own: no console line is a warning (the fit's console: the 2-process quickstart test; predict's: the 2-process
+    predict test of tests/test_custom_ddp_cli.py). Gone: torch's LeafSpec deprecation from Lightning's _pytree
+    (every run) and ModelCheckpoint's "The dirpath has changed" (the checkpoint's job folder is not this one). A
+    new warning fails here."""
     _, fit_root = fit_run
-    common = [
+    args = [
         "--config",
         "configs/quickstart.yaml",
         "--trainer.devices=1",
@@ -219,6 +222,5 @@ def test_test_and_predict_print_no_warning(tmp_path: Path, data_dir: Path, fit_r
         "--trainer.enable_progress_bar=false",
         f"--ckpt_path={fit_root / 'lightning_logs' / 'version_0' / 'checkpoints' / 'last.ckpt'}",
     ]
-    for subcommand in ("test", "predict"):
-        output = train_py(subcommand, *common)
-        assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], f"{subcommand}:\n{output}"
+    output = train_py("test", *args)
+    assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], output

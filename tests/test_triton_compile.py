@@ -39,6 +39,7 @@ _COMPILE_FOR = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_every_kernel_compiles_for_t4_a100_and_h100_gpus(tmp_path):
     """sm_75 (T4), sm_80 (A100), sm_90 (H100, H200): ~4 s, in a process where the kernels are not interpreted."""
     pytest.importorskip("triton.backends.nvidia")
