@@ -65,10 +65,10 @@ profile_shapes=(32x128 1024x2048 256x64x56x56 256x256x14x14)
 within 90 "$out/syncbn_profile.log" $py -m benchmarks.batchnorm.syncbn_profile --device "$device" \
   --shapes "${profile_shapes[@]}" --max-wait-s 0 $quick --out "$out/syncbn_profile_one_gpu"
 if [ "$device" = cuda ]; then  # the tests that need a GPU (skipped, so absent, without one)
-  within 150 "$out/gpu_tests.txt" $py -m pytest -m gpu -n 0 -p no:cacheprovider -q -rs tests/test_custom_ddp.py \
-    tests/test_grad_sync.py tests/test_syncbn_distributed.py tests/test_metric_sync.py
+  within 150 "$out/gpu_tests.txt" $py -m pytest -m gpu -n 0 -p no:cacheprovider -q -rs tests/strategy/test_custom_ddp.py \
+    tests/gradients/test_grad_sync.py tests/batchnorm/test_syncbn_distributed.py tests/evaluation/test_metric_sync.py
   within 90 "$out/gpu_tests.txt" $py -m pytest -n 0 -p no:cacheprovider -q -m "not distributed" \
-    tests/test_syncbn_fused.py
+    tests/batchnorm/test_syncbn_fused.py
 fi
 tail -n 3 "$out"/*.log "$out/gpu_tests.txt" 2>/dev/null
 exit $status

@@ -127,7 +127,7 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     step would also update the other ranks' weights, a race whose result depends on timing. Lightning
     unshares (``_disable_module_memory_sharing``, called here too) for spawn only; its ``ddp`` with
     forkserver keeps the race (its forkserver fits differed from run to run by 0.02 in a full test run;
-    ``tests/test_start_methods.py``).
+    ``tests/launching/test_start_methods.py``).
 
     A worker that finished its stage destroys its process group before it exits: a spawned worker
     exits through interpreter finalization, where gloo's threads, still alive without

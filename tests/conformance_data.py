@@ -1,5 +1,5 @@
-"""The datasets of the conformance modules (``tests/conformance_modules.py``): seeded, and able to say
-which samples a rank saw, in the batch structures users' loaders produce (tensor, tuple, dict)."""
+"""The datasets of the conformance modules (``tests/lightning_conformance/conformance_modules.py``): seeded, and
+able to say which samples a rank saw, in the batch structures users' loaders produce (tensor, tuple, dict)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the tests that run Lightning share: the strategies as each test builds them (fork + gloo, 2 processes),
 the quiet CPU trainer (2 ranks, or one process) every such test starts from, the comparisons of weights and
-metrics (``tests/test_conformance_fit.py``, ``test_conformance_eval.py`` and the custom_ddp, resume, stop and
+metrics (``tests/lightning_conformance/``'s fit and eval tests, and the custom_ddp, resume, stop and
 collective-count tests), and a stand-in for rank 0's trainer in a fit (LastCheckpoint's tests)."""
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # imported where used: torchvision imports Triton (see pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Without a GPU, SyncBatchNorm's Triton kernels run in Triton's interpreter (tests/test_syncbn_fused.py). Triton
-    # reads TRITON_INTERPRET when it is imported, and torchvision imports it: set it before any test module loads.
+    # Without a GPU, SyncBatchNorm's Triton kernels run in Triton's interpreter (tests/batchnorm/test_syncbn_fused.py).
+    # Triton reads TRITON_INTERPRET when it is imported, and torchvision imports it: set it before any test module
+    # loads.
     if not torch.cuda.is_available() and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 

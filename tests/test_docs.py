@@ -1,6 +1,6 @@
 """README.md is a front page and docs/ the manual: links that lead somewhere, a README that stays short, the two
 commands CI runs, and every generated block in the page its generator writes (the blocks' staleness tests are in
-tests/test_readme_results.py and tests/test_fault_matrix.py)."""
+tests/measurement/test_readme_results.py and tests/fault_tolerance/test_fault_matrix.py)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ after the fault, else the newest one before it)::
 
 Writes ``results.json``, ``results.md`` and the block of ``docs/stopping-and-resuming.md``
 (:mod:`conformance.faults.report`).
-``tests/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
+``tests/fault_tolerance/test_fault_matrix.py`` runs rows through :func:`run_row` and checks each row's expectations.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``docs/stopping-and-resuming.md`` (``PAGE``) holds the table between ``<!-- fault-matrix:begin -->`` and
 ``<!-- fault-matrix:end -->``; :mod:`conformance.faults.matrix` rewrites it after a full run,
-``tests/test_fault_matrix.py`` checks that it matches the committed ``conformance/results/fault_matrix/results.json``::
+``tests/fault_tolerance/test_fault_matrix.py`` checks that it matches the committed
+``conformance/results/fault_matrix/results.json``::
 
     python -m conformance.faults.report --write    # re-render the page's block and results.md from results.json
     python -m conformance.faults.report --check    # exit 1 if the page's block is stale

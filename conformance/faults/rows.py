@@ -1,6 +1,6 @@
 """The fault matrix's rows (what fault, which rank, when) and what each row measures.
 
-See :mod:`conformance.faults.matrix`, which runs them; ``tests/test_fault_matrix.py`` checks them.
+See :mod:`conformance.faults.matrix`, which runs them; ``tests/fault_tolerance/test_fault_matrix.py`` checks them.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ normalise, one read of x and g for both backward sums, one pass for dL/dx; no ca
 dispatch. Only tensors enter a compiled function (a Python float would be specialised and
 recompile per value); the batch dimension is marked dynamic, so a new batch size or a ragged
 last batch reuses the graph (inductor still keeps separate graphs for batch sizes 1, 2-16 and
->= 17: at most 3 per layer shape, dtype and memory format, counted in tests/test_syncbn_compiled.py).
+>= 17: at most 3 per layer shape, dtype and memory format, counted in tests/batchnorm/test_syncbn_compiled.py).
 Layers of the same shape share every graph. If compiling fails (no C++ compiler, an inductor
 error, an unsupported Python), the set warns ONCE and runs the same plain functions eagerly.
 

@@ -23,7 +23,7 @@ from strategies import CustomDDPStrategy
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # the same 2-process popen fit as the quickstart test (tests/test_train_cli.py), the registered
+@pytest.mark.slow  # the same 2-process popen fit as the quickstart test (tests/cli/test_train_cli.py), the registered
 # name re-parsed by the child as in the predict test below, and custom_ddp_cpu.yaml parsed by test_train_cli_options
 def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
     train_py_on_two_processes(
@@ -88,7 +88,7 @@ def test_predict_on_two_processes_by_registered_name_with_options(
         "--data.val_size=100",
         "--data.eval_batch_size=30",
     )
-    # README's predict, as typed, prints no warning (test: tests/test_train_cli.py). Gone: the LeafSpec deprecation,
+    # README's predict, as typed, prints no warning (test: tests/cli/test_train_cli.py). Gone: the LeafSpec deprecation,
     # and ModelCheckpoint's "The dirpath has changed" (the checkpoint's fit saved into another folder).
     assert [line for line in output.splitlines() if WARNING_LINE.search(line)] == [], output
     merged_path = tmp_path / "lightning_logs" / "version_0" / "predictions.pt"

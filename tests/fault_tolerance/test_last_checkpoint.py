@@ -1,6 +1,6 @@
 """The watchdog's last checkpoint (:mod:`strategies.fault_tolerance.last_checkpoint`): written only from a state
 every rank shares, holding the state of the last optimizer step, and ``--ckpt_path=last`` finding the newest one; in one
-process. The faults that write it run in ``tests/test_fault_matrix.py``."""
+process. The faults that write it run in ``tests/fault_tolerance/test_fault_matrix.py``."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from collectives.sequential_print import print_order, print_sequentially
 
 pytestmark = pytest.mark.distributed
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _expected(world_size: int, num_iter: int, order: str) -> str:

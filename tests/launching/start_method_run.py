@@ -2,9 +2,9 @@
 
 Run as a script (the popen launcher re-runs ``sys.argv`` per rank; spawn re-imports ``__main__``):
 
-    python tests/start_method_run.py --strategy custom_ddp_spawn --out result.json
-    python tests/start_method_run.py --strategy CustomDDPStrategy --start-method forkserver --out r.json
-    python tests/start_method_run.py --strategy DDPStrategy --start-method spawn --out r.json
+    python tests/launching/start_method_run.py --strategy custom_ddp_spawn --out result.json
+    python tests/launching/start_method_run.py --strategy CustomDDPStrategy --start-method forkserver --out r.json
+    python tests/launching/start_method_run.py --strategy DDPStrategy --start-method spawn --out r.json
 
 Rank 0 of the launching process writes the fitted weights and the validate/test results to
 ``--out`` as JSON; each rank writes its predictions (sample index -> output) to
@@ -33,8 +33,9 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `strategies`
-from conformance_harness import make_trainer  # noqa: E402  (tests/, this script's folder, is on sys.path)
+_TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_TESTS.parent), str(_TESTS)]  # the repository root, for `strategies`; tests/, for its helpers
+from conformance_harness import make_trainer  # noqa: E402
 
 from strategies.custom_ddp import CustomDDPStrategy  # noqa: E402  (registers custom_ddp*)
 

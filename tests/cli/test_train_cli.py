@@ -1,7 +1,7 @@
 """train.py run as users run it: --print_config from the command line, fit and predict through the CLI (under
 --trainer.default_root_dir), the quickstart command on 2 processes (its summary, its console), fit/test/predict
 without a stray warning, Lightning's tips dropped, the logger's folder. Parsing the configs and options, and
-errors: ``tests/test_train_cli_options.py``."""
+errors: ``tests/cli/test_train_cli_options.py``."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_the_logger_follows_default_root_dir_unless_given_its_own(
 def test_test_prints_no_warning(tmp_path: Path, data_dir: Path, fit_run: tuple) -> None:
     """``train.py test`` of a fit's checkpoint (the module's one-process CLI fit), on tiny data, in a process of its
     own: no console line is a warning (the fit's console: the 2-process quickstart test; predict's: the 2-process
-    predict test of tests/test_custom_ddp_cli.py). Gone: torch's LeafSpec deprecation from Lightning's _pytree
+    predict test of tests/cli/test_custom_ddp_cli.py). Gone: torch's LeafSpec deprecation from Lightning's _pytree
     (every run) and ModelCheckpoint's "The dirpath has changed" (the checkpoint's job folder is not this one). A
     new warning fails here."""
     _, fit_root = fit_run

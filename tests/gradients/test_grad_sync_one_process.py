@@ -1,6 +1,6 @@
 """SyncedDataParallel in one process (no process group: world size 1, so nothing to average and no bucket): bucket
 assignment and its description, gradients left as autograd made them, parity with plain training, option errors.
-On 2-3 ranks: ``tests/test_grad_sync.py``."""
+On 2-3 ranks: ``tests/gradients/test_grad_sync.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every registered ``custom_ddp`` name and every start method fits, validates, tests and predicts
 Lightning's BoringModel on 2 CPU ranks with the results of Lightning's ``ddp`` started the same way.
 
-Each run is ``tests/start_method_run.py`` in a fresh process: the popen launcher re-runs the
+Each run is ``tests/launching/start_method_run.py`` in a fresh process: the popen launcher re-runs the
 script per rank, and spawn/forkserver pickle the trainer with its strategy (and launcher) into
 each new process. ``--check-pickle`` also pickles the strategy on every rank after setup.
 """
@@ -27,7 +27,7 @@ from strategies.custom_ddp import CustomDDPStrategy
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).with_name("start_method_run.py")
-REPO_ROOT = SCRIPT.parents[1]
+REPO_ROOT = SCRIPT.resolve().parents[2]
 
 # (strategy argument, --start-method). Every run is compared with ONE run of Lightning's ddp, started with fork
 # (the quickest): ddp computes the same under every start method (the module is seeded and DDP broadcasts rank 0's
@@ -45,19 +45,20 @@ CUSTOM_RUNS = {
 }
 REFERENCE = ("ddp_fork", None)
 # The class with popen, fork or spawn is what the registered names build (custom_ddp is the class with Lightning's
-# default start method, popen: test_registered_names_are_the_class_with_a_start_method): those three runs repeat
-# the registered names' and are slow-marked. forkserver runs the launcher of spawn (custom_ddp_spawn's run) with one
-# step more, each worker unsharing its module's memory, which test_forkserver_workers_own_their_weights checks in
-# one process: its run is slow-marked too. The fork name's run is slow as well: every stage of custom_ddp under fork
-# is what most distributed tests run (tests/test_conformance_eval.py validates, tests and predicts against one
-# process; the training conformance fits), and its name is the class with fork (the test named above). The spawn
-# name's run (40-55 s: spawned workers import everything afresh at every stage) is slow too: what spawn adds to fork
-# is the pickling of the trainer with its strategy and launcher into each new process, which
+# default start method, popen: test_registered_names_are_the_class_with_a_start_method): those three runs repeat the
+# registered names' and are slow-marked. forkserver runs the launcher of spawn (custom_ddp_spawn's run) with one step
+# more, each worker unsharing its module's memory, which test_forkserver_workers_own_their_weights checks in one
+# process: its run is slow-marked too. The fork name's run is slow as well: every stage of custom_ddp under fork is what
+# most distributed tests run (tests/lightning_conformance/test_conformance_eval.py validates, tests and predicts against
+# one process; the training conformance fits), and its name is the class with fork (the test named above). The spawn
+# name's run (40-55 s: spawned workers import everything afresh at every stage) is slow too: what spawn adds to fork is
+# the pickling of the trainer with its strategy and launcher into each new process, which
 # test_spawn_pickles_the_trainer_with_its_strategy_and_launcher checks in one process. The popen run (Lightning's
 # default, a script re-run; 30-50 s with its ddp reference, the default suite's longest but one) is slow as well: the
-# registered name under popen fits in the quickstart test (tests/test_train_cli.py) and predicts with an option in
-# tests/test_custom_ddp_cli.py, both re-run by the child; validate and test run the same strategy code under every
-# launcher, and match ddp on BoringModel under fork (tests/test_conformance_eval.py, tests/test_conformance_fit.py).
+# registered name under popen fits in the quickstart test (tests/cli/test_train_cli.py) and predicts with an option in
+# tests/cli/test_custom_ddp_cli.py, both re-run by the child; validate and test run the same strategy code under every
+# launcher, and match ddp on BoringModel under fork (tests/lightning_conformance/: test_conformance_eval.py,
+# test_conformance_fit.py).
 _SLOW_RUNS = (
     "custom_ddp",
     "custom_ddp_fork",

@@ -2,7 +2,7 @@
 strategies.fault_tolerance).
 
 Unit tests on a real TCP store in one process; the 2-rank fits that lose a rank and resume bitwise from
-the last checkpoint are ``tests/test_fault_matrix.py``'s ``test_a_failure_inside_a_step_...``.
+the last checkpoint are ``tests/fault_tolerance/test_fault_matrix.py``'s ``test_a_failure_inside_a_step_...``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """SyncedDataParallel on 2-3 ranks: parity with one process, gradients when backward returns, communication
-counts. In one process (bucket layout, options): ``tests/test_grad_sync_one_process.py``."""
+counts. In one process (bucket layout, options): ``tests/gradients/test_grad_sync_one_process.py``."""
 
 from __future__ import annotations
 

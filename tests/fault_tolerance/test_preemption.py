@@ -1,7 +1,7 @@
 """Preemption-safe stops: rank status in the gradient all-reduce, the signal recorder, coordinated stops.
 
 The Lightning tests start 2 ranks with fork and signal a rank from inside (``os.kill`` on itself
-at a hook), which lands at a known point; ``tests/test_fault_matrix.py`` sends real signals from
+at a hook), which lands at a known point; ``tests/fault_tolerance/test_fault_matrix.py`` sends real signals from
 outside to popen-launched ranks at moments inside collectives.
 """
 

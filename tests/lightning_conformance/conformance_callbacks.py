@@ -1,4 +1,4 @@
-"""Callbacks that record what each rank evaluated, predicted and reached, for ``tests/test_conformance_*.py``
+"""Callbacks that record what each rank evaluated, predicted and reached, for ``test_conformance_*.py``
 (the fork launcher hands none of it back to the parent): one file per rank, read back by the test."""
 
 from __future__ import annotations

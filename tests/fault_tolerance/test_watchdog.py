@@ -1,8 +1,8 @@
 """Stall detection and exit causes (issue 23), in one process. The last checkpoint and ``--ckpt_path=last``:
-``tests/test_last_checkpoint.py``.
+``tests/fault_tolerance/test_last_checkpoint.py``.
 
 The real faults (SIGSTOP, an endless loop, a blocked DataLoader, a slow save, torchrun restarts) run
-on a 2-rank fit in ``tests/test_fault_matrix.py``.
+on a 2-rank fit in ``tests/fault_tolerance/test_fault_matrix.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """train.py's parsing: every shipped config, strategy options by registered name or short class name (command
 line and YAML), the refused --optimizer flags, and bad options reported in one line with the fix. Runs:
-``tests/test_train_cli.py``."""
+``tests/cli/test_train_cli.py``."""
 
 from __future__ import annotations
 

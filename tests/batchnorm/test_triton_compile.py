@@ -1,7 +1,7 @@
 """SyncBatchNorm's Triton kernels (:mod:`parallel.batchnorm.triton_kernels`) compile for GPUs, without one.
 
 Triton's own compiler and ptxas (shipped with Triton) build every kernel for sm_75 (T4), sm_80 (A100) and sm_90
-(H100, H200) from a process where the kernels are not interpreted: what ``tests/test_syncbn_fused.py``'s
+(H100, H200) from a process where the kernels are not interpreted: what ``tests/batchnorm/test_syncbn_fused.py``'s
 interpreter cannot tell, that they are valid compiled Triton. Runs on the oldest supported torch too (``.ci/run``).
 """
 
@@ -44,7 +44,7 @@ def test_every_kernel_compiles_for_t4_a100_and_h100_gpus(tmp_path):
     """sm_75 (T4), sm_80 (A100), sm_90 (H100, H200): ~4 s, in a process where the kernels are not interpreted."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-c", _COMPILE_FOR, "75", "80", "90"]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

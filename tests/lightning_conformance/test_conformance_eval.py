@@ -3,7 +3,7 @@
 Every case runs on 2 CPU processes (fork + gloo) against one process, where the result is defined by
 the data: with ``custom_ddp`` each evaluation sample is evaluated exactly once, so metrics are exact,
 unlike ``ddp``'s padded ``DistributedSampler``. Modules: Lightning's ``BoringModel`` and the small modules
-of ``tests/conformance_modules.py``. With fork launching ``trainer.validate``/``test`` return rank 0's
+of ``conformance_modules.py`` beside this file. With fork launching ``trainer.validate``/``test`` return rank 0's
 logged metrics. Training: ``test_conformance_fit.py``.
 """
 

@@ -2,7 +2,7 @@
 and torch's BatchNorm on the global batch.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors), so every case runs
-here; on a GPU they run compiled on CUDA tensors (``tests/test_triton_compile.py`` builds them for GPUs without
+here; on a GPU they run compiled on CUDA tensors (``test_triton_compile.py`` builds them for GPUs without
 one). The layer is made to take the fused path on CPU by patching :func:`parallel.batchnorm.syncbn_fused.handles`
 (it takes CUDA inputs only).
 """

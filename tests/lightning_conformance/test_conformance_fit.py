@@ -2,7 +2,8 @@
 
 Every case runs on 2 CPU processes (fork + gloo) against Lightning's own ``ddp``
 (``start_method="fork"``), or one process on the global batch where ``ddp`` differs by design (BatchNorm
-statistics). Modules: Lightning's ``BoringModel`` and the small modules of ``tests/conformance_modules.py``.
+statistics). Modules: Lightning's ``BoringModel`` and the small modules of ``conformance_modules.py`` beside this
+file.
 With fork launching the parent's module receives rank 0's final weights. Evaluation: ``test_conformance_eval.py``.
 """
 

@@ -173,7 +173,7 @@ def _rederived_differences(tmp_path, committed: Path) -> list[str]:
 )
 def test_committed_records_are_derived_by_todays_analysis(tmp_path, name):
     """Re-deriving a committed record from its raw samples changes nothing: its estimates are today's (within a
-    relative 1e-12: another CPU's math library may round the last bit differently, tests/record_compare.py)."""
+    relative 1e-12: another CPU's math library may round the last bit differently, record_compare.py)."""
     assert not _rederived_differences(tmp_path, RESULTS / name)
     with pytest.raises(SystemExit):  # a folder that holds no record
         rederive.main(["no_such_benchmark"])

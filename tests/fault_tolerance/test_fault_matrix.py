@@ -3,7 +3,7 @@
 The default run keeps two rows (about 1 minute): a SIGSTOP'd rank 0, the store's host (a stall,
 ``stall_timeout`` 10 s here, 20 s in the matrix), and an exception on rank 1 under ``torchrun
 --max-restarts=1``. Every row, with a resume from each checkpoint and the restart rows' final
-weights compared with an uninterrupted run, is ``slow``: ``pytest -m slow tests/test_fault_matrix.py``
+weights compared with an uninterrupted run, is ``slow``: ``pytest -m slow tests/fault_tolerance/test_fault_matrix.py``
 (about 9 minutes on 2 cores).
 """
 
@@ -123,10 +123,10 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
 
 
 # Rows whose mechanism a faster 2-rank fork test proves already run with the slow ones: a SIGTERM to rank 1 mid-step
-# (tests/test_preemption.py::test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly) and a
+# (test_preemption.py::test_sigterm_on_rank_1_stops_both_ranks_at_that_step_and_resumes_exactly) and a
 # collective one rank issues alone under desync_check
-# (tests/test_worker_exception.py::test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seconds),
-# and a rank looping in training_step: its parts are proven in one process (tests/test_watchdog.py: a silent main
+# (test_worker_exception.py::test_a_step_one_fork_worker_repeats_is_a_desync_report_of_both_sides_in_seconds),
+# and a rank looping in training_step: its parts are proven in one process (test_watchdog.py: a silent main
 # thread outside a collective stalls, its peer waiting in one does not; the verdict is agreed once and the reporter
 # names the stalled rank), and the end-to-end stall path (store, verdict, exit 75 on every rank) by the SIGSTOP row.
 _SHORT_SLOW = ("sigterm_rank1_train", "rank_collective_desync", "loop_rank1_train")
@@ -168,11 +168,11 @@ def rows_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         # Every row here is slow (three 2-rank fits each, 60 s for mid_window, which kept the default suite over
         # 5 minutes); their parts run by default, faster: a fork worker whose peer is lost writes the last
-        # checkpoint and names the peer (tests/test_worker_exception.py), that checkpoint holds the buffers and
-        # batch counters of the accumulation window's first micro-batch (tests/test_last_checkpoint.py,
+        # checkpoint and names the peer (test_worker_exception.py), that checkpoint holds the buffers and
+        # batch counters of the accumulation window's first micro-batch (test_last_checkpoint.py,
         # test_the_last_checkpoint_holds_the_state_of_the_last_optimizer_step), rank 1's generators come from the
-        # job's store (tests/test_window_generators.py), the generators kept before an epoch's loader draws
-        # (tests/test_resume_rng.py, test_the_generators_kept_at_training_start_are_those_a_checkpoint_...) and a
+        # job's store (test_window_generators.py), the generators kept before an epoch's loader draws
+        # (tests/resume/test_resume_rng.py, test_the_generators_kept_at_training_start_are_those_a_checkpoint_...) and a
         # bitwise mid-epoch resume (test_a_resumed_fit_draws_the_interrupted_fits_random_numbers_...).
         pytest.param("exception_rank1_after_forward", marks=pytest.mark.slow),
         pytest.param("exception_rank1_mid_window", marks=pytest.mark.slow),

@@ -1,7 +1,8 @@
 """A stop signal sent to the launching process of fork workers alone (Jupyter's "interrupt kernel",
 ``kill PID``) reaches the workers: they stop together with a checkpoint and the launching process
 ends with 128 + signum, as a popen job's rank 0 does. Signals to the whole group: by hand (see
-docs/stopping-and-resuming.md); a Ctrl+C that arrives twice counts once (``tests/test_preemption.py``)."""
+docs/stopping-and-resuming.md); a Ctrl+C that arrives twice counts once
+(``tests/fault_tolerance/test_preemption.py``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 rank), so ``custom_ddp``'s launcher runs the rank's own in each failing worker. What it must give: the
 lost peer's diagnosis and rank 0's last checkpoint, and the desync report of both sides (its gradient
 buckets then go through the process group, where torch's check sees them). popen ranks: the fault
-matrix (``tests/test_fault_matrix.py``)."""
+matrix (``tests/fault_tolerance/test_fault_matrix.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Small LightningModules for ``tests/test_conformance_fit.py`` and ``test_conformance_eval.py`` (their data:
+"""Small LightningModules for ``test_conformance_fit.py`` and ``test_conformance_eval.py`` beside them (their data:
 ``tests/conformance_data.py``).
 
 They are written from Lightning's documented API only and know nothing about ``custom_ddp``:

@@ -1,8 +1,8 @@
 """The desync check's option, its error detection and the attribution of a rank's own collective.
 
 The end-to-end case (a collective on rank 0 only, caught within milliseconds, both sides named by
-rank 0) is a row of the fault matrix (``tests/test_fault_matrix.py``); the cost table of docs/benchmarks.md
-must come from the committed ``benchmarks/results/desync_cost`` record (``tests/test_readme_results.py``).
+rank 0) is a row of the fault matrix (``test_fault_matrix.py``); the cost table of docs/benchmarks.md
+must come from the committed ``benchmarks/results/desync_cost`` record (``tests/measurement/test_readme_results.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_own_side_names_the_collective_its_tensor_and_the_user_line() -> None:
     with pytest.raises((RuntimeError, TypeError, ValueError)) as caught:
         _user_collective()
     side = own_side(caught.value.__traceback__, rank=1)
-    assert side.startswith("rank 1: all_reduce(float32[3]) from user code tests/test_desync.py:")
+    assert side.startswith("rank 1: all_reduce(float32[3]) from user code tests/fault_tolerance/test_desync.py:")
     assert side.endswith("in _user_collective")
 
 
@@ -46,7 +46,8 @@ def test_own_side_passes_over_every_strategy_frame_to_the_user_line() -> None:
     with pytest.raises((RuntimeError, TypeError, ValueError)) as caught:
         namespace["forward"](torch.zeros(3))
     side = own_side(caught.value.__traceback__, rank=0)
-    assert "from strategy.reduce (evaluation/inner.py:2) from user code tests/test_desync.py:" in side, side
+    user_line = "from user code tests/fault_tolerance/test_desync.py:"
+    assert f"from strategy.reduce (evaluation/inner.py:2) {user_line}" in side, side
     assert side.endswith("in test_own_side_passes_over_every_strategy_frame_to_the_user_line"), side
 
 
