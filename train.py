@@ -13,7 +13,7 @@ The optimizer and LR schedule are the model's own options (``--model.optimizer``
 ``--model.schedule``, ...); LightningCLI's generic ``--optimizer``/``--lr_scheduler`` are refused
 because they would silently replace its schedule and its no-weight-decay groups.
 
-The quickstart: the hand-written ``custom_ddp`` strategy on 2 CPU processes, about 2 minutes on 2
+The quickstart: the hand-written ``custom_ddp`` strategy on 2 CPU processes, about a minute on 2
 cores; trains on synthetic data (with a loud warning) when CIFAR-100 cannot be had offline, and
 ends with a summary from rank 0 (validation top-1/top-5, wall time, the data actually used, where
 the TensorBoard logs and the checkpoint are):

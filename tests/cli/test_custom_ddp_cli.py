@@ -50,6 +50,18 @@ def test_train_py_fits_with_custom_ddp_on_two_processes(tmp_path: Path) -> None:
     assert list(run_dir.glob("events.out.tfevents.*"))
 
 
+def _checkpoint_of_one_step(model: LitClassifier, datamodule, tmp_path: Path) -> Path:
+    """One training step in this process, saved; its fit keeps its own checkpoints in another folder, so
+    that the predict run's ModelCheckpoint sees its dirpath change (the warning train.py filters)."""
+    trainer = one_process_trainer(
+        limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path / "fit"
+    )
+    trainer.fit(model, datamodule=datamodule)
+    checkpoint = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    return checkpoint
+
+
 @pytest.mark.long
 @pytest.mark.distributed
 def test_predict_on_two_processes_by_registered_name_with_options(
@@ -59,12 +71,7 @@ def test_predict_on_two_processes_by_registered_name_with_options(
     the merged file equals one process's predictions row for row; per-rank files split the rows; no warning."""
     datamodule = tiny_datamodule()
     model = LitClassifier(net="template")
-    checkpoint = tmp_path / "model.ckpt"
-    trainer = one_process_trainer(
-        limit_train_batches=1, limit_val_batches=0, enable_checkpointing=True, default_root_dir=tmp_path / "fit"
-    )
-    trainer.fit(model, datamodule=datamodule)
-    trainer.save_checkpoint(checkpoint)
+    checkpoint = _checkpoint_of_one_step(model, datamodule, tmp_path)
     per_rank = tmp_path / "parts" / "preds.pt"
     output = train_py_on_two_processes(
         "predict",
@@ -103,11 +110,7 @@ def test_predict_on_two_processes_by_registered_name_with_options(
         probs = model(normalize(datamodule.test_set.images)).softmax(dim=-1)
     assert torch.equal(merged["index"], torch.arange(200))
     torch.testing.assert_close(merged["probs"], probs)
-    parts = [torch.load(per_rank.with_name(f"preds_rank{rank}.pt")) for rank in (0, 1)]
-    assert [len(part["index"]) for part in parts] == [100, 100]
-    for part in parts:
-        torch.testing.assert_close(part["probs"], merged["probs"][part["index"]])
-    assert torch.equal(torch.cat([part["index"] for part in parts]).sort().values, torch.arange(200))
+    _assert_parts_split(per_rank, merged)
 
 
 @pytest.mark.parametrize(
@@ -137,3 +140,12 @@ def test_timeout_takes_seconds_or_a_timedelta(timeout, expected) -> None:
 def test_bad_timeout_is_rejected_with_the_fix(timeout, error, match) -> None:
     with pytest.raises(error, match=match):
         CustomDDPStrategy(timeout=timeout)
+
+
+def _assert_parts_split(per_rank: Path, merged: dict) -> None:
+    """The per-rank files hold 100 rows each, together every row once, each equal to the merged file's."""
+    parts = [torch.load(per_rank.with_name(f"preds_rank{rank}.pt")) for rank in (0, 1)]
+    assert [len(part["index"]) for part in parts] == [100, 100]
+    for part in parts:
+        torch.testing.assert_close(part["probs"], merged["probs"][part["index"]])
+    assert torch.equal(torch.cat([part["index"] for part in parts]).sort().values, torch.arange(200))

@@ -74,6 +74,18 @@ def _store_lost_with_rank0(row: Row) -> bool:
     return row.rank == 0 and row.fault in ("SIGKILL", "SIGSTOP") and row.max_restarts is None
 
 
+def _check_sigterm(row: Row, result: Result, resumed: bool) -> None:
+    assert result.status == {0: 143, 1: 143}, result
+    assert f"SIGTERM on rank {row.rank}: all 2 ranks stopped" in result.message, result.message
+    assert result.checkpoint_step is not None and result.step_at_fault is not None, result
+    # Training: the batch in flight is the last one. Validation / checkpoint save (after the
+    # epoch's last batch): the next optimizer step is the last one.
+    stop = 1 if row.phase == "train" else 2
+    assert result.checkpoint_step == result.step_at_fault + stop, result
+    if resumed:
+        assert (result.resume_status, result.resumed_to_step) == (0, row.final_step), result
+
+
 def _check(row: Row, result: Result, resumed: bool) -> None:
     assert not result.hung, result
     if _store_lost_with_rank0(row):
@@ -86,16 +98,7 @@ def _check(row: Row, result: Result, resumed: bool) -> None:
         return _check_restart(row, result, resumed)
     assert result.seconds_to_all_gone is not None and result.seconds_to_all_gone < WITHIN_S, result
     if row.fault == "SIGTERM":
-        assert result.status == {0: 143, 1: 143}, result
-        assert f"SIGTERM on rank {row.rank}: all 2 ranks stopped" in result.message, result.message
-        assert result.checkpoint_step is not None and result.step_at_fault is not None, result
-        # Training: the batch in flight is the last one. Validation / checkpoint save (after the
-        # epoch's last batch): the next optimizer step is the last one.
-        stop = 1 if row.phase == "train" else 2
-        assert result.checkpoint_step == result.step_at_fault + stop, result
-        if resumed:
-            assert (result.resume_status, result.resumed_to_step) == (0, row.final_step), result
-        return
+        return _check_sigterm(row, result, resumed)
     if row.fault in ("SIGKILL", "exception", "exception_after_forward"):
         # The survivor waited in a collective before the optimizer update: it wrote the last completed step
         # (rank 0, or rank 1 when rank 0 is the rank lost).
