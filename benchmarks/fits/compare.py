@@ -1,6 +1,6 @@
 """Compare the hand-written ``custom_ddp`` strategy with Lightning's ``ddp``: step time, accuracy, collectives.
 
-    python -m benchmarks.fits.compare                              # about 25 minutes on 2 CPU cores
+    python -m benchmarks.fits.compare                              # 61 minutes on 2 Zen 3 cores, 25 on a faster host
     python -m benchmarks.fits.compare --quick --out /tmp/compare   # smoke run, about 12 minutes (32 fits)
     python -m benchmarks.fits.compare --variants custom_ddp_localbn custom_ddp_localbn_gloo ddp_tuned --timing-only \
         --rounds 6 --out benchmarks/results/compare_localbn     # the step-time target alone, ~30 minutes
