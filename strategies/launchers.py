@@ -17,6 +17,7 @@ constructor signatures are listed in :mod:`strategies.lightning_seams`, checked 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -140,6 +141,10 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
     launching process: Lightning's interrupt path (``on_exception``) runs there only, in a process
     that is no rank, so without it a fork/spawn job lost the lost peer's diagnosis, rank 0's last
     checkpoint and the desync report that a popen job has.
+
+    Rank 0's last weights come back through a file in a new ``tempfile.mkdtemp()`` folder; Lightning
+    removes the file, not the folder, so each fork/spawn fit of its ``ddp`` leaves an empty folder in
+    the system's temporary directory for good. This launcher removes it.
     """
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -172,6 +177,12 @@ class OneStageMultiProcessingLauncher(_OneStageAtATime, _MultiProcessingLauncher
             raise
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        super()._recover_results_in_main_process(worker_output, trainer)
+        if worker_output.weights_path is not None:
+            with contextlib.suppress(OSError):  # not empty (something else was put there) or already gone: keep it
+                os.rmdir(os.path.dirname(worker_output.weights_path))
 
 
 def one_stage_launcher(strategy: Any, start_method: str) -> _Launcher:

@@ -40,6 +40,12 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     Seam(None, "Strategy._start_method / _timeout", "custom_ddp", "DDPStrategy keeps its arguments there"),
     Seam(_MP, "_MultiProcessingLauncher", "launchers", "subclassed: the fork/spawn launcher"),
     Seam(f"{_MP}._MultiProcessingLauncher", "_wrapping_function", "launchers", "a worker's stage, then its exit"),
+    Seam(
+        f"{_MP}._MultiProcessingLauncher",
+        "_recover_results_in_main_process",
+        "launchers",
+        "rank 0's weights loaded back, then their temporary folder removed",
+    ),
     Seam(_MP, "_disable_module_memory_sharing", "launchers", "forkserver workers' own copy of the module (CPU)"),
     Seam(_POPEN, "_SubprocessScriptLauncher", "launchers, popen_exit", "subclassed: the popen launcher"),
     Seam(

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,20 @@ def _no_leaked_launch_variables() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytests_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # torch and Lightning leave files in the system's temporary directory for good: torch.multiprocessing a
+    # failed worker's error file, torchrun its log folder, Lightning's ddp_fork one empty folder per fit (49
+    # entries in /tmp after one default run). Under pytest's own folder they go with it (pytest keeps the last 3
+    # runs' folders). Subprocesses read TMPDIR; this process and its forked ranks read tempfile.tempdir, which the
+    # first gettempdir() call has already set.
+    folder = tmp_path_factory.mktemp("tmp", numbered=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", str(folder))
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -190,6 +190,23 @@ def test_forkserver_workers_own_their_weights(start_method: str, monkeypatch) ->
     assert seen == [start_method == "fork"]
 
 
+def test_a_fork_fit_leaves_no_folder_in_the_temporary_directory(monkeypatch, tmp_path: Path) -> None:
+    """Rank 0's last weights come back to the launching process through a file in a new temporary folder: Lightning's
+    ddp_fork removes the file and leaves the folder (one per fit), custom_ddp's launcher removes both."""
+    from conformance_harness import make_trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(temporary))  # the forked ranks inherit it
+    left = {}
+    for name in ("ddp_fork", "custom_ddp_fork"):
+        before = set(temporary.iterdir())
+        make_trainer(name, max_steps=1, limit_val_batches=0, default_root_dir=tmp_path).fit(BoringModel())
+        left[name] = [list(folder.iterdir()) for folder in set(temporary.iterdir()) - before]
+    assert left == {"ddp_fork": [[]], "custom_ddp_fork": []}
+
+
 def test_registered_names_are_the_class_with_a_start_method() -> None:
     for name, start_method in (("custom_ddp", None), ("custom_ddp_fork", "fork"), ("custom_ddp_spawn", "spawn")):
         entry = StrategyRegistry[name]
