@@ -45,6 +45,8 @@ class TrainingPattern(pl.LightningModule):
     custom_options: ClassVar[dict[str, Any]] = {}
     timeout_s: ClassVar[float] = 60.0  # the strategies' collective timeout: how long a hang lasts
     slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
+    # Runs torch.compile: its one-process fit runs in a forked child too (conformance.training.runs).
+    compiles: ClassVar[bool] = False
     resume_after_steps: ClassVar[int | None] = (
         None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)
     )
@@ -63,6 +65,10 @@ class TrainingPattern(pl.LightningModule):
 
     def callbacks(self) -> list[pl.Callback]:
         return []
+
+    def fit_argument(self) -> nn.Module:
+        """What ``trainer.fit`` is given: this module, or a wrapper of it (``torch.compile(self)``)."""
+        return self
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.net(inputs), targets)

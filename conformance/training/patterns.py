@@ -5,7 +5,8 @@ regression (:mod:`conformance.training.base` says how the data is sharded and wh
 the resumed ones are in :mod:`conformance.training.resume_patterns`, the fine-tuning recipes that freeze and
 unfreeze layers mid-fit in :mod:`conformance.training.freeze_patterns`, those around the optimizer step in
 :mod:`conformance.training.optimizer_patterns`, those with uneven data per rank in
-:mod:`conformance.training.uneven_patterns`. :data:`PATTERNS` names them all.
+:mod:`conformance.training.uneven_patterns`, the ``torch.compile`` ones in
+:mod:`conformance.training.compile_patterns`. :data:`PATTERNS` names them all.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.optim.swa_utils import get_ema_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 from conformance.training.base import OUTPUTS, TrainingPattern, mlp
+from conformance.training.compile_patterns import COMPILE_PATTERNS
 from conformance.training.freeze_patterns import BackboneUnfreeze, FreezeAgain, UnfreezeInHook, UnfreezeInTrainingStep
 from conformance.training.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
 from conformance.training.resume_patterns import (
@@ -245,26 +247,5 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "dropout_resumed_at_epoch_end": DropoutResumedAtEpochEnd,
     "worker_noise_resumed_at_epoch_end": WorkerNoiseResumedAtEpochEnd,
     **UNEVEN_PATTERNS,
+    **COMPILE_PATTERNS,
 }
-
-
-class CompiledSyncBatchNorm(TrainingPattern):
-    label = "torch.compile(net) with BatchNorm1d, sync_batchnorm=True"
-    ddp_options = None  # torch's SyncBatchNorm is CUDA-only: ddp cannot run it on CPU
-    slow = True
-
-    def build(self) -> nn.Module:
-        # Inductor's pool of compile workers hangs in ranks started with fork (seen with custom_ddp; ddp
-        # errors out): compile in the rank's own process (TORCHINDUCTOR_COMPILE_THREADS=1 does the same).
-        torch._inductor.config.compile_threads = 1
-        return torch.compile(mlp(batchnorm=True))
-
-
-class CompiledLocalBatchNorm(CompiledSyncBatchNorm):
-    label = "torch.compile(net) with BatchNorm1d, sync_batchnorm=False"
-    truth = "ddp"
-    ddp_options = {}
-    custom_options = {"sync_batchnorm": False}
-
-
-PATTERNS.update({"compiled_syncbn": CompiledSyncBatchNorm, "compiled_local_bn": CompiledLocalBatchNorm})

@@ -9,7 +9,9 @@ difference on any rank, and whether the ranks hold identical (bitwise) states.
 
 from __future__ import annotations
 
+import functools
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -91,8 +93,28 @@ def _fit(
             callbacks=[_SaveRankState(Path(out)), *callbacks],
             **pattern.trainer_options,
         )
-        trainer.fit(module, ckpt_path=ckpt_path)
+        fit = functools.partial(trainer.fit, module.fit_argument(), ckpt_path=ckpt_path)
+        if devices == 1 and pattern.compiles:
+            # Compiled in a child: a process that compiled a backward may fork no ranks any more (autograd: "Unable to
+            # handle autograd's threading in combination with fork-based multiprocessing"), and later runs fork theirs.
+            _in_forked_child(fit)
+        else:
+            fit()
         return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]
+
+
+def _in_forked_child(run: Callable[[], object]) -> None:
+    """Call ``run`` in a forked child process; its exception is raised here (``ProcessRaisedException``)."""
+    threads = torch.get_num_threads()
+
+    def child(_: int) -> None:
+        # A forked child rebuilds the intra-op thread pool at the first call that needs it; two threads at once (this
+        # one and autograd's workers, which a compiled backward starts) can lose it ("Invalid thread pool!"). Rebuild
+        # it here, before another thread runs, as Lightning's launcher does in its workers.
+        torch.set_num_threads(threads)
+        run()
+
+    torch.multiprocessing.start_processes(child, nprocs=1, start_method="fork")
 
 
 def max_difference(states: list[dict[str, torch.Tensor]], truth: dict[str, torch.Tensor]) -> float:

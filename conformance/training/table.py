@@ -38,8 +38,6 @@ TRUTHS = {
 
 
 def _row(name: str, pattern: type[TrainingPattern]) -> dict[str, Any]:
-    # The forked runs first: a process that ran a compiled backward cannot fork ranks any more
-    # ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
     settings = ["ddp", "custom_ddp"] if pattern.ddp_options is not None else ["custom_ddp"]
     if pattern.truth == "one_process":
         settings.append("one_process")

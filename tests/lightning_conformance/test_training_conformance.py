@@ -26,7 +26,6 @@ def _params() -> list:
 @pytest.mark.parametrize("name", _params())
 def test_custom_ddp_trains_every_pattern_to_its_truth_with_identical_ranks(name: str) -> None:
     pattern = PATTERNS[name]
-    # Forked ranks first: after a compiled backward in this process, fork is refused by autograd.
     run = fit_pattern(pattern, "custom_ddp")
     truth = (
         fit_pattern(pattern, "custom_ddp", interrupt=False)
