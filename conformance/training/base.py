@@ -44,8 +44,8 @@ class TrainingPattern(pl.LightningModule):
     ddp_options: ClassVar[dict[str, Any] | None] = {}
     custom_options: ClassVar[dict[str, Any]] = {}
     timeout_s: ClassVar[float] = 60.0  # the strategies' collective timeout: how long a hang lasts
-    slow: ClassVar[bool] = False  # kept out of the default test run (compiling takes long)
-    # Runs torch.compile: its one-process fit runs in a forked child too (conformance.training.runs).
+    # Runs torch.compile: kept out of the default test run (a rank's first compile takes 10-60 s), and its
+    # one-process fit runs in a forked child too (conformance.training.runs).
     compiles: ClassVar[bool] = False
     resume_after_steps: ClassVar[int | None] = (
         None  # interrupted there, resumed from its checkpoint (truth: uninterrupted)

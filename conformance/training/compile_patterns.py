@@ -1,7 +1,7 @@
 """``torch.compile`` patterns (:mod:`conformance.training.patterns`): the net compiled inside the LightningModule
 (``self.net = torch.compile(net)``), and the whole LightningModule compiled and handed to ``trainer.fit``, the way
 Lightning's docs compile a model (Lightning then compiles its ``training_step``: ``from_compiled``). Each rank
-compiles on its first step (10-60 s on 2 cores), so these rows are ``slow``.
+compiles on its first step (10-60 s on 2 cores), so these rows are left to ``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ def _compile_in_process() -> None:
 
 
 class _Compiling(TrainingPattern):
-    slow = True
     compiles = True
 
 

@@ -20,7 +20,9 @@ TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 def _params() -> list:
     # torch.compile rows take 10-60 s (the first compile of each rank): kept out of the default run.
-    return [pytest.param(name, marks=pytest.mark.slow) if pattern.slow else name for name, pattern in PATTERNS.items()]
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if pattern.compiles else name for name, pattern in PATTERNS.items()
+    ]
 
 
 @pytest.mark.parametrize("name", _params())
