@@ -14,14 +14,14 @@ from conformance.training.base import TrainingPattern, mlp
 __all__ = ["COMPILE_PATTERNS"]
 
 
-def _compile_in_process() -> None:
-    # Inductor's pool of compile workers hangs in ranks started with fork (seen with custom_ddp; ddp errors out):
-    # compile in the rank's own process (TORCHINDUCTOR_COMPILE_THREADS=1 does the same). Set before the ranks fork.
-    torch._inductor.config.compile_threads = 1
-
-
 class _Compiling(TrainingPattern):
     compiles = True
+
+    def __init__(self) -> None:
+        # Inductor's pool of compile workers hangs in ranks started with fork (seen with custom_ddp; ddp errors out):
+        # compile in the rank's own process (TORCHINDUCTOR_COMPILE_THREADS=1 does the same). Set before the ranks fork.
+        torch._inductor.config.compile_threads = 1
+        super().__init__()
 
 
 class CompiledSyncBatchNorm(_Compiling):
@@ -29,7 +29,6 @@ class CompiledSyncBatchNorm(_Compiling):
     ddp_options = None  # torch's SyncBatchNorm is CUDA-only: ddp cannot run it on CPU
 
     def build(self) -> nn.Module:
-        _compile_in_process()
         return torch.compile(mlp(batchnorm=True))
 
 
@@ -44,7 +43,6 @@ class CompiledLightningModule(_Compiling):
     label = "trainer.fit(torch.compile(module)): training_step compiled by Lightning"
 
     def fit_argument(self) -> nn.Module:
-        _compile_in_process()
         return torch.compile(self)
 
 
