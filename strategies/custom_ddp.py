@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,10 +40,11 @@ from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTra
 from strategies.evaluation import ScatterEvaluation, UnevenGathers
 from strategies.fault_tolerance import (
     Watchdog,
+    collective_bound,
     enable_desync_check,
-    init_attempt_process_group,
     log_desync,
-    uses_shared_agent_store,
+    rendezvous_store,
+    startup_bound,
 )
 from strategies.launchers import one_stage_launcher
 from strategies.lightning_seams import check_private_seams
@@ -74,6 +76,8 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
         zero1: Shard optimizer state over ranks (ZeRO stage 1).
         scatter_eval: Evaluate each sample once with exact metrics; ``False``: Lightning's ``DistributedSampler``.
         timeout: Collective timeout, a ``timedelta`` or seconds (> 0); ``None``: torch's default.
+        startup_timeout: How long the start waits for every rank, a ``timedelta`` or seconds (> 0); ``None``:
+            the longer of ``timeout`` and 30 minutes (``ddp`` bounds its start by ``timeout``).
         start_method: ``"popen"`` (default, re-runs the script), ``"fork"``, ``"spawn"`` or ``"forkserver"``.
         desync_check: Check every collective's fingerprint across ranks; a mismatch ends the run naming both sides.
         broadcast_buffers: Rank 0's buffers on every rank before each training forward (as torch DDP's).
@@ -108,6 +112,7 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
         scatter_eval: bool = True,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = default_pg_timeout,  # float first: a config dumps 90 as 90.0
+        startup_timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         desync_check: bool = False,
         broadcast_buffers: bool = True,
@@ -126,6 +131,7 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
             timeout=as_timedelta(timeout),
             start_method=start_method,
         )
+        self._startup_timeout = as_timedelta(startup_timeout, "startup_timeout")
         self._batchnorm_sync = BatchNormSyncChoice(syncbn_group_size, syncbn_compile, self._timeout)
         self._preemption = Preemption()  # signals stop every rank at one optimizer step
         self._watchdog = Watchdog(stall_timeout)  # a stalled rank ends the job; survivors name a failed rank
@@ -162,12 +168,35 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
 
     @override
     def setup_distributed(self) -> None:
-        if uses_shared_agent_store() and not dist.is_initialized():  # torchrun: one process group per attempt
-            self.set_world_ranks()
-            init_attempt_process_group(
-                self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout
-            )
+        if not dist.is_initialized():  # a group user code made first is kept, as ddp keeps it
+            self._init_process_group()
         super().setup_distributed()  # Lightning finds the group initialised and keeps it
+
+    def _init_process_group(self) -> None:
+        # torch bounds the rendezvous and every collective by one timeout: a timeout short enough to end a
+        # hung job soon would fail ranks that start apart. Every rank joins the job's store first, bounded
+        # by startup_timeout; the group is made on that store, bounded by timeout.
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend, environment = self._get_process_group_backend(), self.cluster_environment
+        store = rendezvous_store(
+            environment.main_address,
+            environment.main_port,
+            self.global_rank,
+            self.world_size,
+            startup_bound(self._startup_timeout, self._timeout, backend),
+            collective_bound(self._timeout, backend),
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None  # as DDPStrategy passes it
+        _init_dist_connection(
+            environment,
+            backend,
+            self.global_rank,
+            self.world_size,
+            timeout=self._timeout,
+            store=store,
+            device_id=device_id,
+        )
 
     @property
     def _collective_device(self) -> torch.device:

@@ -68,6 +68,12 @@ PRIVATE_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         "lightning.fabric.utilities.distributed",
+        "_init_dist_connection",
+        "custom_ddp",
+        "the process group made on the store every rank joined (start and collectives bounded apart)",
+    ),
+    Seam(
+        "lightning.fabric.utilities.distributed",
         "_set_num_threads_if_needed",
         "launchers",
         "the launch's intra-op threads per rank, as Lightning sets them",

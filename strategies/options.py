@@ -135,8 +135,9 @@ def check_init_args(init_args: Mapping[str, Any]) -> None:
     """The strategy constructor's option checks on its arguments, without building it (``train.py``
     runs them on the parsed config, where jsonargparse would bury the error in a report of a Union)."""
     CustomDDPOptions.pick(init_args)
-    if "timeout" in init_args:
-        as_timedelta(init_args["timeout"])
+    for name in ("timeout", "startup_timeout"):
+        if name in init_args:
+            as_timedelta(init_args[name], name)
 
 
 def _is_stall_timeout(value: Any) -> bool:
@@ -178,22 +179,29 @@ def check_syncbn_group_size(syncbn_group_size: int, world_size: int) -> None:
         )
 
 
-def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
-    """``timeout`` as a ``timedelta``: a number counts seconds (YAML and flags need no ``h:m:s``)."""
-    if timeout is None:
-        return None  # torch's default process-group timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+# What each timeout bounds, for its error message.
+_WAITS_FOR = {
+    "timeout": "a collective waits that long for a dead peer",
+    "startup_timeout": "the start waits that long for every rank",
+}
+
+
+def as_timedelta(value: float | timedelta | None, name: str = "timeout") -> timedelta | None:
+    """The option ``name`` as a ``timedelta``: a number counts seconds (YAML and flags need no ``h:m:s``)."""
+    if value is None:
+        return None  # the option's default: torch's process-group timeout, or see startup_bound
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
         raise TypeError(
-            f"CustomDDPStrategy: timeout={timeout!r} must be a number of seconds or a timedelta, "
-            "e.g. timeout=1800 or timeout=timedelta(minutes=30)."
+            f"CustomDDPStrategy: {name}={value!r} must be a number of seconds or a timedelta, "
+            f"e.g. {name}=1800 or {name}=timedelta(minutes=30)."
         )
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:  # also rejects NaN
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):  # also rejects NaN
         raise ValueError(
-            f"CustomDDPStrategy: timeout={timeout!r} must be > 0 seconds (a collective waits that long "
-            "for a dead peer), e.g. timeout=1800."
+            f"CustomDDPStrategy: {name}={value!r} must be > 0 seconds and finite ({_WAITS_FOR[name]}), "
+            f"e.g. {name}=1800."
         )
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
 def is_mean_op(reduce_op: Any) -> bool:

@@ -6,7 +6,8 @@
 - ``last_checkpoint``, ``window_generators``: the checkpoint of the last completed optimizer step, with every
   rank's random generators at its window's start.
 - ``desync``: the opt-in collective fingerprint check (a desync is an error naming both sides).
-- ``job_store``, ``elastic_store``: the job's TCP store with bounded operations; one process group per
+- ``job_store``: the job's TCP store with bounded operations.
+- ``process_group``: the default process group, its start bounded apart from its collectives, one per
   ``torchrun`` attempt.
 
 May import: :mod:`parallel`, :mod:`measure`, Lightning, :mod:`strategies.options`, :mod:`strategies.stopping`
@@ -15,17 +16,24 @@ this package imports its modules: use the names below.
 """
 
 from strategies.fault_tolerance.desync import enable_desync_check, log_desync
-from strategies.fault_tolerance.elastic_store import init_attempt_process_group, uses_shared_agent_store
 from strategies.fault_tolerance.job_store import connect_store
+from strategies.fault_tolerance.process_group import (
+    collective_bound,
+    rendezvous_store,
+    startup_bound,
+    uses_shared_agent_store,
+)
 from strategies.fault_tolerance.watchdog import Watchdog
 from strategies.fault_tolerance.window_generators import WindowGenerators
 
 __all__ = [
     "Watchdog",
     "WindowGenerators",
+    "collective_bound",
     "connect_store",
     "enable_desync_check",
-    "init_attempt_process_group",
     "log_desync",
+    "rendezvous_store",
+    "startup_bound",
     "uses_shared_agent_store",
 ]

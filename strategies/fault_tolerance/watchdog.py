@@ -36,11 +36,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallel.resume.rng_state import RngState
-from strategies.fault_tolerance.elastic_store import uses_shared_agent_store
 from strategies.fault_tolerance.exit_causes import is_peer_loss, peer_causes, write_exit_record
 from strategies.fault_tolerance.heartbeat import Heartbeat, Progress
 from strategies.fault_tolerance.job_store import connect_store
 from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
+from strategies.fault_tolerance.process_group import uses_shared_agent_store
 from strategies.fault_tolerance.stall_watch import StallWatch
 from strategies.fault_tolerance.window_generators import WindowGenerators
 from strategies.options import DEFAULT_STALL_TIMEOUT_S

@@ -142,12 +142,14 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
             "--trainer.strategy=custom_ddp_fork",
             "--trainer.strategy.sync_mode=flat",
             "--trainer.strategy.timeout=90",
+            "--trainer.strategy.startup_timeout=0:10:00",
         ],
         run=False,
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CustomDDPStrategy) and strategy.options.sync_mode == "flat"
     assert strategy._timeout == timedelta(seconds=90) and strategy._start_method == "fork"
+    assert strategy._startup_timeout == timedelta(minutes=10)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +160,10 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
         (
             ("--trainer.strategy=custom_ddp", "--trainer.strategy.timeout=0"),
             "CustomDDPStrategy: timeout=0.0 must be > 0 seconds",
+        ),
+        (
+            ("--trainer.strategy=custom_ddp", "--trainer.strategy.startup_timeout=-1"),
+            "CustomDDPStrategy: startup_timeout=-1.0 must be > 0 seconds",
         ),
         # A parse error inside the same Union, and one after 60 lines of usage: the innermost reason and its key.
         (
@@ -182,6 +188,7 @@ def test_strategy_built_from_name_options_and_seconds() -> None:
     ids=[
         "strategy-check",
         "strategy-timeout",
+        "strategy-startup-timeout",
         "strategy-literal",
         "data-literal",
         "strategy-union",
