@@ -1,14 +1,16 @@
 """Sequential rank printing: exact stdout under torchrun, ordering for world sizes 1-5."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from collectives.launcher import run_workers
-from collectives.sequential_print import print_order, print_sequentially
+from collectives.sequential_print import main, print_order, print_sequentially
 
 pytestmark = pytest.mark.distributed
 
@@ -28,6 +30,9 @@ def test_expected_text_is_what_the_issue_asks_for():
     assert _expected(2, 1, "ascending") == "Process 0\nProcess 1\n"
 
 
+# 4 fresh interpreters (torchrun's and 3 workers'): ~19 s of CPU, the default suite's second largest
+# (AMD EPYC Zen 3, 3 pytest workers). The entry point on 3 ranks, forked: the test after it.
+@pytest.mark.slow
 @pytest.mark.long
 def test_torchrun_three_processes_stdout_is_exact():
     # One launch covers both directions: "both" prints ascending then descending.
@@ -37,6 +42,31 @@ def test_torchrun_three_processes_stdout_is_exact():
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == _expected(3, 3, "both")
+
+
+def _main_as_a_torchrun_worker(rank: int, world_size: int, port: int, path: str) -> None:
+    # torchrun's environment for this rank, and stdout on the one shared file (append: writes land in order).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with open(path, "a", encoding="utf-8") as stream:
+        sys.stdout = stream
+        main(["--num-iter", "3", "--order", "both"])
+
+
+def test_the_entry_point_on_three_ranks_prints_in_order(tmp_path):
+    """``main`` (arguments, the env:// group, the prints, leaving the group) as torchrun's workers run it."""
+    out_file = tmp_path / "out.txt"
+    out_file.touch()
+    context = multiprocessing.get_context("fork")
+    port = find_free_network_port()
+    workers = [
+        context.Process(target=_main_as_a_torchrun_worker, args=(rank, 3, port, str(out_file))) for rank in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [worker.exitcode for worker in workers] == [0, 0, 0]
+    assert out_file.read_text(encoding="utf-8") == _expected(3, 3, "both")
 
 
 def _print_to_shared_file(rank: int, world_size: int, path: str, num_iter: int, order: str) -> None:
