@@ -48,7 +48,8 @@ last.ckpt) and the exit status is 128 + the signal number (SIGTERM: 143). Resume
 A collective only some processes issue waits for the timeout; with --trainer.strategy.desync_check=true it is
 an error naming both sides instead (docs/stopping-and-resuming.md). A process that stops making progress (stopped,
 looping, a blocked DataLoader) ends every process after --trainer.strategy.stall_timeout seconds (default 300)
-with exit status 75 and one report from rank 0 naming it.
+with exit status 75 and one report from rank 0 naming it. The start waits for every process up to
+--trainer.strategy.startup_timeout (default: the longer of the timeout and 30 min), not the collective timeout.
 
 Restarts that resume: --ckpt_path=last resumes from the run's newest last.ckpt and starts fresh when there is
 none yet, so one command serves the first run and every restart of torch elastic (or a SLURM requeue, see
