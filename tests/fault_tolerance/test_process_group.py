@@ -1,12 +1,15 @@
-"""The process group's start bounded apart from its collectives (``startup_timeout`` and ``timeout``).
+"""The process group's start bounded apart from its collectives (``startup_timeout`` and ``timeout``), and
+one process group per torchrun attempt on the agent's store.
 
 torch, and Lightning's ``ddp`` with it, bound the rendezvous by the collective timeout: ranks that start
 further apart than it fail at start. 2 CPU ranks (fork launching) of Lightning's BoringModel, rank 1
-started late on purpose.
+started late on purpose. A real torchrun restart that resumes: the fault matrix's restart rows (slow).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from conformance_harness import make_trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -21,7 +25,7 @@ from torch.distributed.constants import default_pg_nccl_timeout
 from typing_extensions import override
 
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.fault_tolerance import collective_bound, startup_bound
+from strategies.fault_tolerance import collective_bound, rendezvous_store, startup_bound
 
 # Every collective's bound in these runs: short, but far above a rank's lag behind the other in a healthy
 # step (a few ms; a 2-core host under 3 pytest workers can deschedule a rank for a fraction of a second).
@@ -108,3 +112,45 @@ def test_a_bad_startup_timeout_names_the_value_and_the_fix(value, error, message
     with pytest.raises(error, match=r"e\.g\. startup_timeout=1800") as raised:
         CustomDDPStrategy(startup_timeout=value)
     assert message in str(raised.value)
+
+
+def _attempt_worker(rank: int, port: int, restart: int, out: str) -> None:
+    # What torchrun's agent gives a worker of attempt `restart` that shares its store.
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(restart))
+    torch.set_num_threads(1)
+    bound = timedelta(seconds=30)
+    store = rendezvous_store("127.0.0.1", port, rank, 2, bound, bound)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=bound)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    Path(out, f"attempt{restart}_rank{rank}").write_text(str(total.item()))
+
+
+def _run_attempt(port: int, restart: int, out: Path) -> list[int | None]:
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_attempt_worker, args=(rank, port, restart, str(out))) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    exitcodes = [worker.exitcode for worker in workers]
+    for worker in workers:
+        if worker.is_alive():  # hung: a failed attempt leaves no process behind
+            worker.kill()
+            worker.join()
+    return exitcodes
+
+
+@pytest.mark.distributed
+def test_a_restarted_attempt_on_the_agents_store_makes_its_own_group(tmp_path) -> None:
+    """The agent keeps one store across restarts: attempt 1's group must not read the addresses of attempt 0's
+    ranks, which are gone (torch's env:// prefixes nothing: ``Gloo connectFullMesh failed ... Connection
+    refused``, and the start barrier of attempt 0 would let attempt 1 through at once)."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    for restart in (0, 1):
+        assert _run_attempt(agent.port, restart, tmp_path) == [0, 0], f"attempt {restart}"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "attempt0_rank0", "attempt0_rank1", "attempt1_rank0", "attempt1_rank1",
+    ]  # fmt: skip
+    assert {path.read_text() for path in tmp_path.iterdir()} == {"3.0"}
