@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +114,24 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: C
         if not shared.is_file():
             shared.write_text(json.dumps(compute()))
         return json.loads(shared.read_text())
+
+
+def run_forked(target: Callable[..., None], per_process_args: list[tuple], timeout_s: float = 60.0) -> list[int | None]:
+    """``target(*args)`` in one forked process per ``args``, all started at once; their exit codes once each
+    ended or ``timeout_s`` passed (``None``: still running, then killed, so a hung test leaves none behind)."""
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=target, args=args) for args in per_process_args]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(timeout=max(deadline - time.monotonic(), 0.0))
+    exitcodes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return exitcodes
 
 
 @pytest.fixture(scope="session")

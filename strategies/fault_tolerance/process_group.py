@@ -29,6 +29,7 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 __all__ = ["collective_bound", "rendezvous_store", "startup_bound", "uses_shared_agent_store"]
 
 _JOINED, _ALL_JOINED = "custom_ddp/ranks_joined", "custom_ddp/all_ranks_joined"
+_FIX = "start every rank, or give the slowest start more time with a longer startup_timeout"
 
 
 def uses_shared_agent_store() -> bool:
@@ -67,8 +68,7 @@ def rendezvous_store(
         host = "torchrun's agent" if agent else "rank 0"
         raise RuntimeError(
             f"custom_ddp: rank {rank} could not reach the job's store at {address}:{port} ({host} hosts it) "
-            f"within startup_timeout={startup_timeout.total_seconds():g} s: start every rank, or give the "
-            f"slowest start more time with a longer startup_timeout ({error})"
+            f"within startup_timeout={startup_timeout.total_seconds():g} s: {_FIX} ({error})"
         ) from error
     prefix = f"/worker/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}" if agent else "default_pg"
     store = dist.PrefixStore(prefix, server)
@@ -86,8 +86,7 @@ def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int, wait: ti
         joined = _joined_count(store)
         raise RuntimeError(
             f"custom_ddp: {joined} of {world_size} ranks joined the job's store at {where} within "
-            f"startup_timeout={wait.total_seconds():g} s (rank {rank} waited): start every rank, or give "
-            f"the slowest start more time with a longer startup_timeout ({error})"
+            f"startup_timeout={wait.total_seconds():g} s (rank {rank} waited): {_FIX} ({error})"
         ) from error
 
 

@@ -1,12 +1,12 @@
 """Sequential rank printing: exact stdout under torchrun, ordering for world sizes 1-5."""
 
-import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_forked
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from collectives.launcher import run_workers
@@ -56,16 +56,9 @@ def test_the_entry_point_on_three_ranks_prints_in_order(tmp_path):
     """``main`` (arguments, the env:// group, the prints, leaving the group) as torchrun's workers run it."""
     out_file = tmp_path / "out.txt"
     out_file.touch()
-    context = multiprocessing.get_context("fork")
     port = find_free_network_port()
-    workers = [
-        context.Process(target=_main_as_a_torchrun_worker, args=(rank, 3, port, str(out_file))) for rank in range(3)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    assert [worker.exitcode for worker in workers] == [0, 0, 0]
+    ranks = [(rank, 3, port, str(out_file)) for rank in range(3)]
+    assert run_forked(_main_as_a_torchrun_worker, ranks) == [0, 0, 0]
     assert out_file.read_text(encoding="utf-8") == _expected(3, 3, "both")
 
 
