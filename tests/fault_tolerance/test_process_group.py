@@ -8,7 +8,7 @@ started late on purpose. A real torchrun restart that resumes: the fault matrix'
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import time
 from datetime import timedelta
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conformance_harness import make_trainer
+from conftest import run_forked
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch.distributed.constants import default_pg_nccl_timeout
@@ -118,39 +119,29 @@ def _attempt_worker(rank: int, port: int, restart: int, out: str) -> None:
     # What torchrun's agent gives a worker of attempt `restart` that shares its store.
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(restart))
     torch.set_num_threads(1)
+    if rank == 1:
+        time.sleep(1.0)  # restarted workers do not start at once: rank 0 must wait for this attempt's rank 1
+    arrived = time.time()
     bound = timedelta(seconds=30)
     store = rendezvous_store("127.0.0.1", port, rank, 2, bound, bound)
+    passed = time.time()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=bound)
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     dist.destroy_process_group()
-    Path(out, f"attempt{restart}_rank{rank}").write_text(str(total.item()))
-
-
-def _run_attempt(port: int, restart: int, out: Path) -> list[int | None]:
-    context = multiprocessing.get_context("fork")
-    workers = [context.Process(target=_attempt_worker, args=(rank, port, restart, str(out))) for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    exitcodes = [worker.exitcode for worker in workers]
-    for worker in workers:
-        if worker.is_alive():  # hung: a failed attempt leaves no process behind
-            worker.kill()
-            worker.join()
-    return exitcodes
+    record = {"arrived": arrived, "passed": passed, "sum": total.item()}
+    Path(out, f"attempt{restart}_rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.distributed
 def test_a_restarted_attempt_on_the_agents_store_makes_its_own_group(tmp_path) -> None:
-    """The agent keeps one store across restarts: attempt 1's group must not read the addresses of attempt 0's
-    ranks, which are gone (torch's env:// prefixes nothing: ``Gloo connectFullMesh failed ... Connection
-    refused``, and the start barrier of attempt 0 would let attempt 1 through at once)."""
+    """The agent keeps one store across restarts: attempt 1's group must not read the keys of attempt 0 (torch's
+    env:// prefixes nothing): its start barrier would let rank 0 through before rank 1 came, and gloo would dial
+    attempt 0's ranks, which are gone (``Gloo connectFullMesh failed ... Connection refused``)."""
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     for restart in (0, 1):
-        assert _run_attempt(agent.port, restart, tmp_path) == [0, 0], f"attempt {restart}"
-    assert sorted(path.name for path in tmp_path.iterdir()) == [
-        "attempt0_rank0", "attempt0_rank1", "attempt1_rank0", "attempt1_rank1",
-    ]  # fmt: skip
-    assert {path.read_text() for path in tmp_path.iterdir()} == {"3.0"}
+        ranks = [(rank, agent.port, restart, str(tmp_path)) for rank in range(2)]
+        assert run_forked(_attempt_worker, ranks) == [0, 0], f"attempt {restart}"
+        rank_0, rank_1 = (json.loads((tmp_path / f"attempt{restart}_rank{r}.json").read_text()) for r in range(2))
+        assert rank_0["passed"] >= rank_1["arrived"], f"attempt {restart}: rank 0 went on before rank 1 joined"
+        assert rank_0["sum"] == rank_1["sum"] == 3.0
