@@ -94,12 +94,12 @@ import strategies  # noqa: F401  (registers the "custom_ddp" strategy name)
 # Every project callback imported (callbacks/ loads them lazily), so configs may name it by its short class name.
 from callbacks import BenchmarkMonitor, CollectiveCounter, PredictionWriter, RunHparams  # noqa: F401
 from callbacks.run_hparams import strategy_name
-from lit_cifar.cli_errors import check_strategy_config, short_option_errors
-from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
+from lit_cifar.cli.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation, quiet_lightning_tips
+from lit_cifar.cli.fit_summary import fit_summary
+from lit_cifar.cli.option_errors import check_strategy_config, short_option_errors
+from lit_cifar.cli.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
 from lit_cifar.data import CIFAR100DataModule
-from lit_cifar.fit_summary import fit_summary
 from lit_cifar.module import LitClassifier
-from lit_cifar.run_dir import DEFAULT_SAVE_DIR, follow_default_root_dir, resume_last_version
 from strategies import CustomDDPStrategy
 from strategies.options import check_init_args
 
@@ -110,7 +110,7 @@ TRAINER_DEFAULTS = {
     "logger": {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
         # hp_metric=False: no placeholder "-1" metric next to the real hparams in TensorBoard.
-        # save_dir: the working directory, or --trainer.default_root_dir (lit_cifar.run_dir).
+        # save_dir: the working directory, or --trainer.default_root_dir (lit_cifar.cli.run_dir).
         "init_args": {"save_dir": DEFAULT_SAVE_DIR, "name": "lightning_logs", "default_hp_metric": False},
     },
 }
@@ -196,7 +196,7 @@ class LitCifarCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand in ("validate", "test", "predict"):
-            quiet_checkpoint_dirpath_warning()  # a ModelCheckpoint saves nothing here (lit_cifar.console)
+            quiet_checkpoint_dirpath_warning()  # a ModelCheckpoint saves nothing here (lit_cifar.cli.console)
         # `predict` always leaves a file (and says where), unless the config chose its own writer.
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in trainer.callbacks):
             trainer.callbacks.append(PredictionWriter())
@@ -227,7 +227,7 @@ def main(args: ArgsType = None, run: bool = True, started: float | None = None) 
     ``run=False`` only builds them (``args`` then has no subcommand). ``started``: the
     ``time.perf_counter()`` the fit summary's wall time counts from (default: now).
     """
-    # A bad option ends in one line saying why (lit_cifar.cli_errors), not in jsonargparse's usage dump.
+    # A bad option ends in one line saying why (lit_cifar.cli.option_errors), not in jsonargparse's usage dump.
     with short_option_errors(help_command=_help_command(args)):
         return LitCifarCLI(
             LitClassifier,

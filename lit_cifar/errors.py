@@ -1,7 +1,7 @@
 """``OptionError``: a bad value of an option that lit-cifar itself checks (model, data, strategy).
 
 Its message is the whole report: it names the option, the bad value and the fix. ``train.py``
-prints it as one line instead of a traceback (:mod:`lit_cifar.cli_errors`); from Python it is an
+prints it as one line instead of a traceback (:mod:`lit_cifar.cli.option_errors`); from Python it is an
 ordinary ``ValueError``.
 """
 

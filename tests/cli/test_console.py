@@ -1,4 +1,4 @@
-"""lit_cifar.console's warning filters: each drops one warning from its real source, and only from there."""
+"""lit_cifar.cli.console's warning filters: each drops one warning from its real source, and only from there."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities._pytree import _tree_flatten
 
-from lit_cifar.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation
+from lit_cifar.cli.console import quiet_checkpoint_dirpath_warning, quiet_leafspec_deprecation
 
 
 def _leafspec_from_lightning() -> None:

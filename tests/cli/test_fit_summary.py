@@ -8,7 +8,7 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lit_cifar.fit_summary import fit_summary
+from lit_cifar.cli.fit_summary import fit_summary
 
 
 class NoValidationLoader(BoringModel):

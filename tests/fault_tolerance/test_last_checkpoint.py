@@ -19,7 +19,7 @@ from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lit_cifar.run_dir import resume_last_version
+from lit_cifar.cli.run_dir import resume_last_version
 from strategies.fault_tolerance.last_checkpoint import LastCheckpoint
 
 
