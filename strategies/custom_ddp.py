@@ -34,6 +34,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from parallel.sync_config import DEFAULT_BUCKET_CAP_MB, GradCompression, GradTransport, SyncMode
@@ -48,7 +49,14 @@ from strategies.fault_tolerance import (
 )
 from strategies.launchers import one_stage_launcher
 from strategies.lightning_seams import check_private_seams
-from strategies.options import DEFAULT_STALL_TIMEOUT_S, CustomDDPOptions, UnevenData, as_timedelta
+from strategies.options import (
+    DDP_FLAGS,
+    DEFAULT_STALL_TIMEOUT_S,
+    CustomDDPOptions,
+    UnevenData,
+    as_timedelta,
+    ddp_flags_given,
+)
 from strategies.resume import ExactResume
 from strategies.stopping import Preemption
 from strategies.training import BatchNormSyncChoice, SyncedTraining, UnevenTraining, shard_optimizers
@@ -86,6 +94,8 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
             checkpoint saved while fitting holds every rank's random generators, restored on resuming.
         uneven_data: ``"join"``: a rank whose training data ends first runs empty batches until every rank's
             has (gradients averaged over the ranks that trained); ``"refuse"``: an error naming the counts.
+        find_unused_parameters, static_graph, gradient_as_bucket_view: torch DDP's flags, accepted so that a
+            ``ddp`` configuration runs unchanged; no effect (custom_ddp does what each asks for either way).
 
     SIGTERM, SIGINT and SIGUSR1 on any rank stop every rank at the same optimizer step with a
     checkpoint and exit status 128 + signum. Details per option: docs/strategy.md#options.
@@ -119,8 +129,13 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S,
         exact_resume: bool = True,
         uneven_data: UnevenData = "join",
+        find_unused_parameters: bool | None = None,
+        static_graph: bool | None = None,
+        gradient_as_bucket_view: bool | None = None,
     ) -> None:
         self._options = CustomDDPOptions.pick(locals())  # validated once: one error names every bad value
+        for name, value in ddp_flags_given(locals()).items():
+            rank_zero_info(f"custom_ddp: {name}={value}, a ddp option, has no effect here: {DDP_FLAGS[name]}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

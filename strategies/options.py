@@ -20,12 +20,14 @@ from parallel.sync_config import (
 )
 
 __all__ = [
+    "DDP_FLAGS",
     "DEFAULT_STALL_TIMEOUT_S",
     "UNEVEN_DATA",
     "CustomDDPOptions",
     "UnevenData",
     "as_timedelta",
     "check_init_args",
+    "ddp_flags_given",
     "check_syncbn_group_size",
     "is_mean_op",
 ]
@@ -39,6 +41,15 @@ DEFAULT_STALL_TIMEOUT_S = 300.0
 
 UnevenData = Literal["join", "refuse"]
 UNEVEN_DATA: tuple[str, ...] = ("join", "refuse")
+
+# torch DDP's flags that Lightning's DDPStrategy passes on, by what custom_ddp does in their place. A ddp
+# configuration that sets them runs unchanged under custom_ddp, where they have no effect: it does what each
+# asks for either way (docs/strategy.md#coming-from-ddp).
+DDP_FLAGS: dict[str, str] = {
+    "find_unused_parameters": "a parameter with no gradient on a rank is synchronised anyway, as zeros flagged unused",
+    "static_graph": "the bucket layout is rebuilt only when the parameters' requires_grad flags change",
+    "gradient_as_bucket_view": "gradients always live as views into the buckets",
+}
 
 _BOOLS = (
     "sync_batchnorm",
@@ -131,10 +142,25 @@ class CustomDDPOptions:
         return asdict(self)
 
 
+def ddp_flags_given(arguments: Mapping[str, Any]) -> dict[str, bool]:
+    """The :data:`DDP_FLAGS` among ``arguments`` that are set (not ``None``); one that is not a bool is an error."""
+    given = {name: arguments[name] for name in DDP_FLAGS if arguments.get(name) is not None}
+    problems = [
+        f"{name}={value!r} must be a bool or None (torch DDP's flag, accepted from a ddp configuration with no "
+        f"effect: {DDP_FLAGS[name]})"
+        for name, value in given.items()
+        if not isinstance(value, bool)
+    ]
+    if problems:
+        raise ValueError("CustomDDPStrategy: " + "; ".join(problems))
+    return given
+
+
 def check_init_args(init_args: Mapping[str, Any]) -> None:
     """The strategy constructor's option checks on its arguments, without building it (``train.py``
     runs them on the parsed config, where jsonargparse would bury the error in a report of a Union)."""
     CustomDDPOptions.pick(init_args)
+    ddp_flags_given(init_args)
     for name in ("timeout", "startup_timeout"):
         if name in init_args:
             as_timedelta(init_args[name], name)

@@ -160,7 +160,7 @@ _READS_THE_ENTRY = (
 )
 _READS_DDP_KWARGS = (
     "reads strategy._ddp_kwargs, the arguments Lightning passes to torch's DistributedDataParallel: custom_ddp "
-    "does not wrap the module in it and takes no find_unused_parameters"
+    "does not wrap the module in it and passes it nothing (it accepts find_unused_parameters, with no effect)"
 )
 _FIND_UNUSED_NAMES = tuple(
     f"{base}_find_unused_parameters_{value}"

@@ -55,8 +55,8 @@ def swap_ddp_names(registry: _StrategyRegistry = StrategyRegistry) -> dict[str, 
         if entry["strategy"] is not DDPStrategy:
             continue
         params = dict(entry["init_params"])
-        # find_unused_parameters is dropped: custom_ddp does not wrap the module in torch's DDP. Its
-        # gradient sync sends zeros flagged unused for a parameter without a gradient (docs/strategy.md),
+        # find_unused_parameters is dropped: custom_ddp accepts it but does not wrap the module in torch's
+        # DDP. Its gradient sync sends zeros flagged unused for a parameter without a gradient (docs/strategy.md),
         # so both values behave as ddp's True, and False raises no "parameters that were not used" error.
         params.pop("find_unused_parameters", None)
         start_method = params.pop("start_method", "popen")

@@ -4,6 +4,7 @@ line and YAML), the refused --optimizer flags, and bad options reported in one l
 
 from __future__ import annotations
 
+import logging
 from argparse import ArgumentError
 from datetime import timedelta
 from pathlib import Path
@@ -127,6 +128,27 @@ def test_strategy_options_from_yaml_by_short_class_name(tmp_path: Path, timeout:
     assert isinstance(strategy, CustomDDPStrategy)
     options = strategy.options
     assert (options.sync_mode, options.zero1, strategy._timeout) == ("per_param", True, timedelta(seconds=seconds))
+
+
+def test_a_ddp_configuration_runs_with_only_its_class_path_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torch DDP's flags as Lightning's DDPStrategy takes them: accepted, no effect, one line each on rank 0.
+    flags = {"find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": False}
+    ddp_config = "".join(f"      {name}: {str(value).lower()}\n" for name, value in flags.items())
+    config = tmp_path / "strategy.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: CustomDDPStrategy\n    init_args:\n      timeout: 600\n" + ddp_config
+    )
+    with caplog.at_level(logging.INFO):
+        cli = train.main(["--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config)], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, CustomDDPStrategy) and strategy._timeout == timedelta(seconds=600)
+    assert strategy.options == CustomDDPStrategy().options  # nothing changed but what ddp also knows
+    said = [record.getMessage() for record in caplog.records]
+    assert [line.split(",")[0] for line in said if "a ddp option" in line] == [
+        f"custom_ddp: {name}={value}" for name, value in flags.items()
+    ]
 
 
 def test_registered_name_without_options_stays_a_name(capsys: pytest.CaptureFixture) -> None:

@@ -95,6 +95,7 @@ def test_defaults_are_torch_ddps_except_the_first_bucket_on_gloo() -> None:
         ({"broadcast_buffers": "yes"}, "broadcast_buffers='yes' must be a bool"),
         ({"syncbn_compile": "yes"}, "syncbn_compile='yes' must be a bool"),
         ({"syncbn_compile": True, "sync_batchnorm": False}, "syncbn_compile=True needs sync_batchnorm=True"),
+        ({"static_graph": "yes"}, "static_graph='yes' must be a bool or None (torch DDP's flag, accepted from a ddp"),
     ],
 )
 def test_bad_options_name_the_value_and_the_fix(kwargs: dict, message: str) -> None:
