@@ -81,6 +81,7 @@ class ExactResume:
     world_size: int
     _resumes: tuple[LoaderResume, ...] = ()  # this resumed fit's training loaders, until its first batch
     _rng_state: RngState | None = None  # this rank's generators from the resumed checkpoint, until on_train_start
+    _interrupted_ranks: int | None = None  # the resumed checkpoint's number of ranks (None: not written by one)
     _rng_before_iterator: RngState | None = None  # this fit's, as they were before its first training iterator
     _rng_at_epoch_start: RngState | None = None  # restored at an epoch's start: set again at its first fetch
     _redraw_at_first_fetch = False  # resumed from an epoch's end: its iterator's base seed drawn at the first fetch
@@ -105,6 +106,7 @@ class ExactResume:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         if self._fitting_trainer() is not None:
             self._rng_state = rng_state_to_restore(checkpoint, self.global_rank, self.world_size)
+            self._interrupted_ranks = len(checkpoint[CHECKPOINT_KEY]) if CHECKPOINT_KEY in checkpoint else None
         return checkpoint
 
     @override
@@ -125,8 +127,10 @@ class ExactResume:
         if reason is not None:
             self._resumes += (LoaderResume(trainer, 0, 0, reason),)
             return dataloader
-        batching = index_batching(dataloader)
-        resume = LoaderResume(trainer, len(dataloader), batching[0], None)
+        batching, sampler, interrupted = index_batching(dataloader), dataloader.sampler, self._interrupted_ranks
+        ranks = None if interrupted in (None, self.world_size) else (interrupted, self.world_size)
+        shards = len(sampler.dataset) if isinstance(sampler, DistributedSampler) else None
+        resume = LoaderResume(trainer, len(dataloader), batching[0], None, ranks, shards)
         resume.sampler = ResumeSampler(dataloader.sampler, resume.first_pass_skip, resume.epoch)
         resume.before_first_pass = self._first_fetch
         self._resumes += (resume,)
@@ -214,5 +218,6 @@ class ExactResume:
     @override
     def teardown(self) -> None:
         self._resumes, self._rng_state, self._rng_before_iterator, self._rng_at_epoch_start = (), None, None, None
+        self._interrupted_ranks = None
         self._redraw_at_first_fetch = False
         super().teardown()  # type: ignore[misc]

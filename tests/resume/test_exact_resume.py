@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from strategies.custom_ddp import CustomDDPStrategy
+from strategies.resume.resume_progress import ranks_changed_warning
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
 _OPTIONS = {"max_epochs": EPOCHS, "accumulate_grad_batches": ACCUMULATE}  # every fit's, on 2 ranks or one
@@ -221,6 +222,38 @@ def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning
     ):
         resumed = _fit_here(OwnSampler(tmp_path), out / "ckpt" / "step=4.ckpt")
     assert resumed["seen"][(1, 2)] == fresh["seen"][(1, 0)]  # batch index 2 got the epoch's first batch, as under ddp
+
+
+def test_a_mid_epoch_resume_on_another_number_of_ranks_warns_what_it_trains_again(
+    tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    """2 ranks stopped at batch 4 of 6 (32 of the epoch's 48 samples trained); one process resumes there and,
+    its loop counting per rank, trains its shard's batches 4-11: 16 of those 32 again, each other sample once."""
+    out, truth = uninterrupted
+    with pytest.warns(UserWarning) as said:
+        resumed = _fit_here(Recorder(tmp_path), out / "ckpt" / "step=2.ckpt")
+    warning = next(str(w.message) for w in said if "checkpoint was written on 2" in str(w.message))
+    assert "resuming epoch 0 at batch 4 on 1 rank(s)" in warning
+    assert (
+        "16 samples, not the 32 the interrupted epoch trained: 16 samples the interrupted epoch trained are " in warning
+    )
+    trained = {
+        i
+        for rank in truth
+        for (epoch, batch), indices in rank["seen"].items()
+        if (epoch, batch) < (0, 4)
+        for i in indices
+    }
+    again = [i for (epoch, _), indices in resumed["seen"].items() if epoch == 0 for i in indices]
+    assert (len(trained), len(again), len(set(again) & trained)) == (32, 32, 16)
+    assert trained | set(again) == set(range(SAMPLES))  # nothing of the epoch left out
+
+
+def test_the_warning_counts_the_samples_left_out_when_the_ranks_grow() -> None:
+    # 1 rank stopped at batch 4, batches of 4 (16 samples); 2 ranks skip 4 batches each: 32 samples, 16 never trained.
+    warning = ranks_changed_warning(0, 4, 4, (1, 2), shards=48)
+    assert "16 samples it had not trained are left out of this epoch" in warning
+    assert "the interrupted epoch's only if" in ranks_changed_warning(0, 4, 4, (1, 2), shards=None)
 
 
 class PositionLoader(DataLoader):
