@@ -269,6 +269,7 @@ class CustomDDPStrategy(UnevenTraining, SyncedTraining, ExactResume, ScatterEval
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.save_epoch_order(checkpoint)
         if self._watchdog.writing_last_checkpoint and not self.is_global_zero:  # rank 1's, rank 0 being lost
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return

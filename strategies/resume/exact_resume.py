@@ -43,6 +43,7 @@ from typing_extensions import override
 from parallel.resume.resume_sampler import ResumeSampler
 from parallel.resume.rng_state import RngState, gather_rng_states, rng_state, set_rng_state
 from strategies.loaders import index_batching, keeps_its_position, set_sampler_epoch, with_sampler
+from strategies.resume.epoch_order import ORDER_KEY, epoch_order, order_changes, training_orders
 from strategies.resume.resume_progress import (
     FALLBACK,
     LoaderResume,
@@ -81,7 +82,9 @@ class ExactResume:
     world_size: int
     _resumes: tuple[LoaderResume, ...] = ()  # this resumed fit's training loaders, until its first batch
     _rng_state: RngState | None = None  # this rank's generators from the resumed checkpoint, until on_train_start
-    _interrupted_ranks: int | None = None  # the resumed checkpoint's number of ranks (None: not written by one)
+    _interrupted_orders: list[dict[str, Any] | None] | None = None  # the resumed checkpoint's (epoch_order)
+    _interrupted_ranks: int | None = None  # its number of ranks by its generators (a checkpoint without orders)
+    _training_loaders_seen = 0  # training loaders this fit has set up: the next one's place among them
     _rng_before_iterator: RngState | None = None  # this fit's, as they were before its first training iterator
     _rng_at_epoch_start: RngState | None = None  # restored at an epoch's start: set again at its first fetch
     _redraw_at_first_fetch = False  # resumed from an epoch's end: its iterator's base seed drawn at the first fetch
@@ -101,11 +104,18 @@ class ExactResume:
         if self._fitting_trainer() is not None:
             checkpoint[CHECKPOINT_KEY] = gather_rng_states()  # a collective: every rank's save calls it
 
+    def save_epoch_order(self, checkpoint: dict[str, Any]) -> None:
+        """How the training loaders order the epoch into ``checkpoint`` while fitting (local: any save may call it)."""
+        trainer = self._fitting_trainer()
+        if trainer is not None:
+            checkpoint[ORDER_KEY] = training_orders(trainer.train_dataloader, self.world_size)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         if self._fitting_trainer() is not None:
             self._rng_state = rng_state_to_restore(checkpoint, self.global_rank, self.world_size)
+            self._interrupted_orders = checkpoint.get(ORDER_KEY)
             self._interrupted_ranks = len(checkpoint[CHECKPOINT_KEY]) if CHECKPOINT_KEY in checkpoint else None
         return checkpoint
 
@@ -116,6 +126,7 @@ class ExactResume:
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._rng_before_iterator = rng_state()  # Lightning makes the epoch's iterator right after this hook
+        index, self._training_loaders_seen = self._training_loaders_seen, self._training_loaders_seen + 1
         if not trainer.ckpt_path:
             return dataloader
         if keeps_its_position(dataloader):  # a resumable loader: Lightning loads its position from the checkpoint
@@ -127,14 +138,23 @@ class ExactResume:
         if reason is not None:
             self._resumes += (LoaderResume(trainer, 0, 0, reason),)
             return dataloader
-        batching, sampler, interrupted = index_batching(dataloader), dataloader.sampler, self._interrupted_ranks
-        ranks = None if interrupted in (None, self.world_size) else (interrupted, self.world_size)
+        batching, sampler = index_batching(dataloader), dataloader.sampler
         shards = len(sampler.dataset) if isinstance(sampler, DistributedSampler) else None
-        resume = LoaderResume(trainer, len(dataloader), batching[0], None, ranks, shards)
+        changes = self._changes_since_interrupted(dataloader, index)
+        resume = LoaderResume(trainer, len(dataloader), batching[0], None, changes, shards)
         resume.sampler = ResumeSampler(dataloader.sampler, resume.first_pass_skip, resume.epoch)
         resume.before_first_pass = self._first_fetch
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", FALLBACK)
+
+    def _changes_since_interrupted(self, dataloader: object, index: int) -> dict[str, tuple[Any, Any]]:
+        """How training loader ``index`` orders the epoch unlike the interrupted fit's loader at its place."""
+        orders, now = self._interrupted_orders, epoch_order(dataloader, self.world_size)
+        if orders is not None:  # written by custom_ddp
+            saved = orders[index] if index < len(orders) else None
+            return order_changes(saved, now) if saved is not None and now is not None else {}
+        ranks = self._interrupted_ranks  # a checkpoint of an earlier version: its generators name its ranks
+        return {} if ranks in (None, self.world_size) else {"ranks": (ranks, self.world_size)}
 
     def _restore_rng(self, remake_iterators: Callable[[], None] | None) -> None:
         """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators
@@ -204,6 +224,7 @@ class ExactResume:
         early = [resume for resume in self._resumes if resume.began_too_early()]
         for resume in early:
             resume.sampler.rewind()  # type: ignore[union-attr]
+        self._training_loaders_seen = 0  # loaders set up again later (reload_dataloaders_every_n_epochs) count anew
         loop = self.lightning_module.trainer.fit_loop  # type: ignore[union-attr]
         self._restore_rng((lambda: iter(loop._data_fetcher)) if early else None)  # type: ignore[arg-type]
         super().on_train_start()  # type: ignore[misc]
@@ -218,6 +239,6 @@ class ExactResume:
     @override
     def teardown(self) -> None:
         self._resumes, self._rng_state, self._rng_before_iterator, self._rng_at_epoch_start = (), None, None, None
-        self._interrupted_ranks = None
+        self._interrupted_orders, self._interrupted_ranks, self._training_loaders_seen = None, None, 0
         self._redraw_at_first_fetch = False
         super().teardown()  # type: ignore[misc]

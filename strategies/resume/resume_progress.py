@@ -18,13 +18,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from parallel.resume.resume_sampler import ResumeSampler
+from strategies.resume.epoch_order import changed_order_warning
 
 __all__ = [
     "FALLBACK",
     "LoaderResume",
     "batches_done",
     "inside_a_batch",
-    "ranks_changed_warning",
     "resumed_at",
     "resumed_before_iterator",
 ]
@@ -82,33 +82,11 @@ def _several_loaders(trainer: pl.Trainer) -> bool:
     return isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
 
 
-def ranks_changed_warning(epoch: int, done: int, batch_size: int, ranks: tuple[int, int], shards: int | None) -> str:
-    """Why an epoch resumed at batch ``done`` on another number of ranks is not exact. ``ranks``: the interrupted
-    fit's and this one's; ``shards``: the samples a ``DistributedSampler`` shards over the ranks (``None``: each
-    rank's loader is its own). Lightning's loop counts batches per rank, so each rank leaves out its first
-    ``done`` batches, and the samples they hold depend on the number of ranks."""
-    interrupted, now = ranks
-    head = (
-        f"custom_ddp: resuming epoch {epoch} at batch {done} on {now} rank(s), but the checkpoint was written on "
-        f"{interrupted}: Lightning's loop counts batches per rank, so each rank leaves out its first {done} batches"
-    )
-    tail = "An epoch resumes exactly on the interrupted fit's number of ranks, or from a checkpoint at an epoch's end."
-    if shards is None:
-        return f"{head}, the interrupted epoch's only if a rank's data does not depend on the ranks. {tail}"
-    trained, left_out = (min(done * batch_size * count, shards) for count in ranks)
-    if left_out < trained:
-        what = f"{trained - left_out} samples the interrupted epoch trained are trained again"
-    else:
-        what = f"{left_out - trained} samples it had not trained are left out of this epoch"
-    shards_left_out = f"of this run's shards, {left_out} samples, not the {trained} the interrupted epoch trained"
-    return f"{head} {shards_left_out}: {what}. {tail}"
-
-
 class LoaderResume:
     """One training loader of a resumed fit: how far its first pass skipped, checked at the first batch.
 
-    ``ranks``: the interrupted fit's number of ranks and this one's, where they differ (the resume is then not
-    exact, and says so); ``shards``: the samples a ``DistributedSampler`` shards over them."""
+    ``changes``: how this fit orders the epoch unlike the interrupted one (:func:`epoch_order.order_changes`; the
+    resume is then not exact, and says so); ``shards``: the samples a ``DistributedSampler`` shards over the ranks."""
 
     def __init__(
         self,
@@ -116,11 +94,11 @@ class LoaderResume:
         length: int,
         batch_size: int,
         reason: str | None,
-        ranks: tuple[int, int] | None = None,
+        changes: Mapping[str, tuple[Any, Any]] | None = None,
         shards: int | None = None,
     ) -> None:
         self._trainer, self._length, self._batch_size, self.reason = trainer, length, batch_size, reason
-        self._ranks, self._shards = ranks, shards
+        self._changes, self._shards = changes, shards
         self.done: int | None = None  # batches of the epoch the first pass left out (None: not begun)
         self.restored = False  # whether the loop's state had been restored when the first pass began
         self.pass_epoch: int | None = None  # the epoch whose order the first pass took
@@ -158,8 +136,8 @@ class LoaderResume:
             epoch_batches = _epoch_batches(self._length, self._trainer.limit_train_batches)
         self.done = resumed_at(self._trainer, epoch_batches)
         epoch = self._trainer.current_epoch
-        if self.done and self._ranks is not None:
-            rank_zero_warn(ranks_changed_warning(epoch, self.done, self._batch_size, self._ranks, self._shards))
+        if self.done and self._changes:
+            rank_zero_warn(changed_order_warning(epoch, self.done, self._batch_size, self._changes, self._shards))
         elif self.done:
             rank_zero_info(
                 f"custom_ddp: resuming epoch {epoch} at batch {self.done}: the "

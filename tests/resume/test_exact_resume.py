@@ -20,10 +20,10 @@ import torch.distributed as dist
 from conformance_harness import custom_strategy, ddp_strategy, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from strategies.custom_ddp import CustomDDPStrategy
-from strategies.resume.resume_progress import ranks_changed_warning
+from strategies.resume.epoch_order import changed_order_warning, epoch_order, order_changes
 
 SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
 _OPTIONS = {"max_epochs": EPOCHS, "accumulate_grad_batches": ACCUMULATE}  # every fit's, on 2 ranks or one
@@ -224,19 +224,25 @@ def test_a_loader_with_a_sampler_of_its_own_starts_the_epoch_over_with_a_warning
     assert resumed["seen"][(1, 2)] == fresh["seen"][(1, 0)]  # batch index 2 got the epoch's first batch, as under ddp
 
 
+def _resume_here_warning(tmp_path: Path, checkpoint: Path, module: type[Recorder] = Recorder) -> tuple[str, Any]:
+    """Resume ``checkpoint`` in one process; custom_ddp's warning that the resume is not exact, and the run."""
+    with pytest.warns(UserWarning) as said:
+        resumed = _fit_here(module(tmp_path), checkpoint)
+    return next(str(w.message) for w in said if "does not order the epoch as" in str(w.message)), resumed
+
+
 def test_a_mid_epoch_resume_on_another_number_of_ranks_warns_what_it_trains_again(
     tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]
 ) -> None:
     """2 ranks stopped at batch 4 of 6 (32 of the epoch's 48 samples trained); one process resumes there and,
     its loop counting per rank, trains its shard's batches 4-11: 16 of those 32 again, each other sample once."""
     out, truth = uninterrupted
-    with pytest.warns(UserWarning) as said:
-        resumed = _fit_here(Recorder(tmp_path), out / "ckpt" / "step=2.ckpt")
-    warning = next(str(w.message) for w in said if "checkpoint was written on 2" in str(w.message))
-    assert "resuming epoch 0 at batch 4 on 1 rank(s)" in warning
+    warning, resumed = _resume_here_warning(tmp_path, out / "ckpt" / "step=2.ckpt")
     assert (
-        "16 samples, not the 32 the interrupted epoch trained: 16 samples the interrupted epoch trained are " in warning
+        "resuming epoch 0 at batch 4, but the training loader does not order the epoch as the interrupted " in warning
     )
+    assert "(ranks 2 -> 1): each rank leaves out its first 4 batches" in warning
+    assert "16 samples of this run's shards, not the 32 the interrupted epoch trained: 16 samples the " in warning
     trained = {
         i
         for rank in truth
@@ -249,11 +255,39 @@ def test_a_mid_epoch_resume_on_another_number_of_ranks_warns_what_it_trains_agai
     assert trained | set(again) == set(range(SAMPLES))  # nothing of the epoch left out
 
 
-def test_the_warning_counts_the_samples_left_out_when_the_ranks_grow() -> None:
-    # 1 rank stopped at batch 4, batches of 4 (16 samples); 2 ranks skip 4 batches each: 32 samples, 16 never trained.
-    warning = ranks_changed_warning(0, 4, 4, (1, 2), shards=48)
-    assert "16 samples it had not trained are left out of this epoch" in warning
-    assert "the interrupted epoch's only if" in ranks_changed_warning(0, 4, 4, (1, 2), shards=None)
+class LargerBatches(Recorder):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=2 * BATCH, shuffle=True)
+
+
+def test_a_mid_epoch_resume_with_other_batches_warns_naming_every_change(
+    tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    out, _ = uninterrupted
+    warning, _ = _resume_here_warning(tmp_path, out / "ckpt" / "step=2.ckpt", LargerBatches)
+    assert "(ranks 2 -> 1, batch_size 4 -> 8): each rank leaves out its first 4 batches" in warning
+    assert "which hold other samples than the ones the interrupted epoch trained" in warning
+
+
+def test_the_epoch_order_names_what_decides_it_and_the_warning_counts_samples_left_out() -> None:
+    loader = DataLoader(Indexed(), batch_size=BATCH, sampler=DistributedSampler(Indexed(), 2, 0, seed=3))
+    order = epoch_order(loader, ranks=2)
+    assert order == {
+        "ranks": 2,
+        "samples": SAMPLES,
+        "batch_size": BATCH,
+        "drop_last": False,
+        "sampler": "DistributedSampler",
+        "seed": 3,
+        "shuffle": True,
+    }
+    assert order_changes(order, {**order, "seed": 4}) == {"seed": (3, 4)}
+    assert epoch_order(OwnSampler(Path()).train_dataloader(), 2) is not None  # rebuilt or not, its order is known
+    # 1 rank stopped at batch 4 of batches of 4 (16 samples); 2 ranks skip 4 batches each: 32, 16 never trained.
+    warning = changed_order_warning(0, 4, BATCH, {"ranks": (1, 2)}, shards=SAMPLES)
+    assert (
+        "32 samples of this run's shards, not the 16 the interrupted epoch trained: 16 samples it had not " in warning
+    )
 
 
 class PositionLoader(DataLoader):
