@@ -83,7 +83,6 @@ class ExactResume:
     _resumes: tuple[LoaderResume, ...] = ()  # this resumed fit's training loaders, until its first batch
     _rng_state: RngState | None = None  # this rank's generators from the resumed checkpoint, until on_train_start
     _interrupted_orders: list[dict[str, Any] | None] | None = None  # the resumed checkpoint's (epoch_order)
-    _interrupted_ranks: int | None = None  # its number of ranks by its generators (a checkpoint without orders)
     _training_loaders_seen = 0  # training loaders this fit has set up: the next one's place among them
     _rng_before_iterator: RngState | None = None  # this fit's, as they were before its first training iterator
     _rng_at_epoch_start: RngState | None = None  # restored at an epoch's start: set again at its first fetch
@@ -116,7 +115,6 @@ class ExactResume:
         if self._fitting_trainer() is not None:
             self._rng_state = rng_state_to_restore(checkpoint, self.global_rank, self.world_size)
             self._interrupted_orders = checkpoint.get(ORDER_KEY)
-            self._interrupted_ranks = len(checkpoint[CHECKPOINT_KEY]) if CHECKPOINT_KEY in checkpoint else None
         return checkpoint
 
     @override
@@ -149,12 +147,9 @@ class ExactResume:
 
     def _changes_since_interrupted(self, dataloader: object, index: int) -> dict[str, tuple[Any, Any]]:
         """How training loader ``index`` orders the epoch unlike the interrupted fit's loader at its place."""
-        orders, now = self._interrupted_orders, epoch_order(dataloader, self.world_size)
-        if orders is not None:  # written by custom_ddp
-            saved = orders[index] if index < len(orders) else None
-            return order_changes(saved, now) if saved is not None and now is not None else {}
-        ranks = self._interrupted_ranks  # a checkpoint of an earlier version: its generators name its ranks
-        return {} if ranks in (None, self.world_size) else {"ranks": (ranks, self.world_size)}
+        orders, now = self._interrupted_orders or [], epoch_order(dataloader, self.world_size)
+        saved = orders[index] if index < len(orders) else None  # none in another strategy's checkpoint
+        return order_changes(saved, now) if saved is not None and now is not None else {}
 
     def _restore_rng(self, remake_iterators: Callable[[], None] | None) -> None:
         """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators
@@ -239,6 +234,6 @@ class ExactResume:
     @override
     def teardown(self) -> None:
         self._resumes, self._rng_state, self._rng_before_iterator, self._rng_at_epoch_start = (), None, None, None
-        self._interrupted_orders, self._interrupted_ranks, self._training_loaders_seen = None, None, 0
+        self._interrupted_orders, self._training_loaders_seen = None, 0
         self._redraw_at_first_fetch = False
         super().teardown()  # type: ignore[misc]

@@ -20,14 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from parallel.resume.resume_sampler import ResumeSampler
 from strategies.resume.epoch_order import changed_order_warning
 
-__all__ = [
-    "FALLBACK",
-    "LoaderResume",
-    "batches_done",
-    "inside_a_batch",
-    "resumed_at",
-    "resumed_before_iterator",
-]
+__all__ = ["FALLBACK", "LoaderResume", "batches_done", "inside_a_batch", "resumed_at", "resumed_before_iterator"]
 
 FALLBACK = "pass CustomDDPStrategy(exact_resume=False) to keep your loader (the epoch then starts over)"
 
@@ -140,8 +133,8 @@ class LoaderResume:
             rank_zero_warn(changed_order_warning(epoch, self.done, self._batch_size, self._changes, self._shards))
         elif self.done:
             rank_zero_info(
-                f"custom_ddp: resuming epoch {epoch} at batch {self.done}: the "
-                "training loader leaves out the batches the interrupted epoch trained (exact_resume; "
+                f"custom_ddp: resuming epoch {epoch} at batch {self.done}: the training loader leaves out the "
+                "batches the interrupted epoch trained (exact_resume; "
                 "Lightning's warning that the loader is not resumable does not apply)"
             )
         # A shorter loader, cycled within the epoch, is that far into its current pass.
