@@ -9,12 +9,13 @@ them, with the user's batch size, ``collate_fn``, workers, pinning and transform
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-__all__ = ["index_batching", "keeps_its_position", "set_sampler_epoch", "with_sampler"]
+__all__ = ["flat_loaders", "index_batching", "keeps_its_position", "set_sampler_epoch", "with_sampler"]
 
 # DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
 _KEPT_LOADER_ARGS = (
@@ -30,6 +31,18 @@ _KEPT_LOADER_ARGS = (
     "pin_memory_device",
     "in_order",
 )
+
+
+def flat_loaders(iterables: Any) -> list[Any]:
+    """The loaders of a trainer's ``train_dataloader`` (a loader, or lists and dicts of them, nested), in the
+    order Lightning flattens and sets them up; ``[]`` for ``None``."""
+    if iterables is None:
+        return []
+    if isinstance(iterables, Mapping):
+        iterables = list(iterables.values())
+    if not isinstance(iterables, (list, tuple)):
+        return [iterables]
+    return [loader for item in iterables for loader in flat_loaders(item)]
 
 
 def keeps_its_position(dataloader: object) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from parallel.resume.resume_sampler import ResumeSampler
-from strategies.loaders import index_batching
+from strategies.loaders import flat_loaders, index_batching
 
 __all__ = ["ORDER_KEY", "changed_order_warning", "epoch_order", "order_changes", "training_orders"]
 
@@ -46,13 +46,8 @@ def epoch_order(dataloader: object, ranks: int) -> dict[str, Any] | None:
 
 
 def training_orders(train_dataloader: Any, ranks: int) -> list[dict[str, Any] | None]:
-    """:func:`epoch_order` of each loader of a trainer's ``train_dataloader`` (a loader, or a list or dict)."""
-    if train_dataloader is None:
-        return []
-    if isinstance(train_dataloader, Mapping):
-        train_dataloader = list(train_dataloader.values())
-    loaders = train_dataloader if isinstance(train_dataloader, (list, tuple)) else [train_dataloader]
-    return [epoch_order(loader, ranks) for loader in loaders]
+    """:func:`epoch_order` of each loader of a trainer's ``train_dataloader`` (a loader, or lists and dicts)."""
+    return [epoch_order(loader, ranks) for loader in flat_loaders(train_dataloader)]
 
 
 def order_changes(interrupted: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

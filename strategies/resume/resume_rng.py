@@ -37,7 +37,6 @@ resumed fits draw from the restart's seed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from parallel.resume.rng_state import RngState
+from strategies.loaders import flat_loaders
 
 __all__ = ["CHECKPOINT_KEY", "redraw_base_seeds", "rng_state_to_restore"]
 
@@ -75,10 +75,6 @@ def redraw_base_seeds(iterables: Any) -> None:
     """Draw from torch's generator what making an iterator of each ``DataLoader`` in ``iterables`` draws
     (the trainer's ``train_dataloader``: a loader, or a list or dict of them). A loader with a
     generator of its own draws from that one instead."""
-    if isinstance(iterables, Mapping):
-        iterables = list(iterables.values())
-    for loader in iterables if isinstance(iterables, (list, tuple)) else [iterables]:
-        if isinstance(loader, (Mapping, list, tuple)):
-            redraw_base_seeds(loader)
-        elif isinstance(loader, DataLoader) and loader.generator is None:
+    for loader in flat_loaders(iterables):
+        if isinstance(loader, DataLoader) and loader.generator is None:
             torch.empty((), dtype=torch.int64).random_()  # as torch.utils.data's _BaseDataLoaderIter
