@@ -41,6 +41,7 @@ def _run_fresh(code: str) -> str:
 def test_core_has_the_modules_the_readme_lists():
     assert _modules(parallel) == [
         "parallel.batchnorm.syncbn",
+        "parallel.batchnorm.syncbn_convert",
         "parallel.batchnorm.syncbn_function",
         "parallel.batchnorm.syncbn_fused",
         "parallel.batchnorm.syncbn_kernels",

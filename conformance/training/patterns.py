@@ -27,7 +27,14 @@ from torch.utils.checkpoint import checkpoint
 
 from conformance.training.base import OUTPUTS, TrainingPattern, mlp
 from conformance.training.compile_patterns import COMPILE_PATTERNS
-from conformance.training.freeze_patterns import BackboneUnfreeze, FreezeAgain, UnfreezeInHook, UnfreezeInTrainingStep
+from conformance.training.freeze_patterns import (
+    BackboneUnfreeze,
+    BatchNormBackboneInEval,
+    BatchNormBackboneUnfreeze,
+    FreezeAgain,
+    UnfreezeInHook,
+    UnfreezeInTrainingStep,
+)
 from conformance.training.optimizer_patterns import GradNormLoggedClipByValue, LBFGSClosure
 from conformance.training.resume_patterns import (
     DropoutResumedAtEpochEnd,
@@ -230,6 +237,8 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "unfreeze_in_training_step": UnfreezeInTrainingStep,
     "freeze_again": FreezeAgain,
     "backbone_finetuning": BackboneUnfreeze,
+    "batchnorm_backbone_finetuning": BatchNormBackboneUnfreeze,
+    "batchnorm_backbone_in_eval": BatchNormBackboneInEval,
     "clip_with_accumulation": ClipWithAccumulation,
     "manual_optimization": ManualOptimization,
     "unused_parameters": UnusedParameters,

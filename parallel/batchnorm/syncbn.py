@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from parallel.batchnorm import syncbn_fused
+from parallel.batchnorm.syncbn_convert import BatchNormXd, defines_dim_check, move_state, replace_modules
 from parallel.batchnorm.syncbn_function import StatsExchange, sync_batch_norm
 from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS
 from parallel.torch_compat import drop_bias, make_norm, norm_bias_kwargs, reset_norm_parameters
@@ -106,7 +107,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: Tensor) -> None:
         original = self._original_module
-        if original is not None and _defines_dim_check(original):
+        if original is not None and defines_dim_check(original):
             # As strict as the replaced class, with its (torch's) message.
             original._check_input_dim(input)
         elif input.dim() not in (2, 3, 4, 5):
@@ -222,7 +223,10 @@ class SyncBatchNorm(_BatchNorm):
         torch, a subclass's own ``forward`` and extra parameters are not used while converted.
         Parameters and buffers are shared with the replaced layers (not copied), so
         ``requires_grad``, values, device and dtype carry over; so do the training flag,
-        ``qconfig`` and child modules.
+        ``qconfig`` and child modules. A layer reachable from several places (``self.backbone =
+        self.net[:2]``, an alias ``self.bn = self.net[1]``) becomes ONE new layer in all of them, so
+        ``.eval()`` or ``track_running_stats`` set through any of its names reaches the layer that runs
+        (torch's converter makes one copy per place and skips a second name in the same parent).
 
         Args:
             module: A model, or a single BatchNorm layer.
@@ -235,16 +239,18 @@ class SyncBatchNorm(_BatchNorm):
         Raises:
             ValueError: a lazy BatchNorm has not been initialised by a first forward yet.
         """
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-            module = cls._replacing(module, process_group, compile)
-        for name, child in module.named_children():
-            setattr(module, name, cls.convert(child, process_group, compile=compile))
-        return module
+        return replace_modules(module, lambda layer: cls._converted(layer, process_group, compile))
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
         """Alias of :meth:`convert` under ``torch.nn.SyncBatchNorm``'s name."""
         return cls.convert(module, process_group)
+
+    @classmethod
+    def _converted(cls, module: nn.Module, process_group: dist.ProcessGroup | None, compile: bool) -> nn.Module:
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            return cls._replacing(module, process_group, compile)
+        return module
 
     @classmethod
     def _replacing(cls, module: _BatchNorm, process_group: dist.ProcessGroup | None, compile: bool) -> SyncBatchNorm:
@@ -265,7 +271,7 @@ class SyncBatchNorm(_BatchNorm):
             bias=module.bias is not None,
             compile=compile,
         )
-        _move_state(module, converted)
+        move_state(module, converted)
         object.__setattr__(converted, "_original_module", module)
         return converted
 
@@ -284,44 +290,15 @@ class SyncBatchNorm(_BatchNorm):
         Returns:
             ``module`` itself with its children reverted, or the restored layer if ``module`` is one.
         """
-        for name, child in module.named_children():
-            setattr(module, name, SyncBatchNorm.revert(child))
+        return replace_modules(module, SyncBatchNorm._reverted, children_first=True)
+
+    @staticmethod
+    def _reverted(module: nn.Module) -> nn.Module:
         if not isinstance(module, SyncBatchNorm):
             return module
         original = module._original_module
         if original is None:
             args = (module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-            original = make_norm(_BatchNormXd, *args, device="meta", bias=module.bias is not None)
-        _move_state(module, original)
+            original = make_norm(BatchNormXd, *args, device="meta", bias=module.bias is not None)
+        move_state(module, original)
         return original
-
-
-class _BatchNormXd(_BatchNorm):
-    """BatchNorm for any input rank: what :meth:`SyncBatchNorm.revert` makes of a layer that
-    was not created by :meth:`SyncBatchNorm.convert`."""
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected a 2D-5D input (N, C, *), got {input.dim()}D")
-
-
-def _defines_dim_check(module: nn.Module) -> bool:
-    """Whether ``module``'s class has its own ``_check_input_dim`` (``_NormBase``'s only raises)."""
-    return type(module)._check_input_dim is not _NormBase._check_input_dim
-
-
-def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
-    """Point ``target``'s parameters, buffers and children at ``source``'s; copy its flags."""
-    # Shared tensors keep their device, dtype and requires_grad. A None (bias=False, no running
-    # stats) is set as well: `target` may be an original whose slot was a tensor.
-    for name in ("weight", "bias"):
-        setattr(target, name, getattr(source, name))
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        setattr(target, name, getattr(source, name))
-    target.eps, target.momentum = source.eps, source.momentum
-    for name, child in source.named_children():
-        target.add_module(name, child)
-    # The flag only, as torch's converter does: `.train()` would recurse into the children.
-    target.training = source.training
-    if hasattr(source, "qconfig"):  # keep quantisation configs, as torch's converter does
-        target.qconfig = source.qconfig

@@ -46,6 +46,14 @@ class Case:
         return slice(first, first + self.sizes[rank])
 
 
+def forward_backward(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer(x)`` and the input's gradient for the output gradient ``grad``."""
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
 def init_affine(layer: nn.Module, num_features: int) -> None:
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():

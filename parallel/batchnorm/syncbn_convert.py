@@ -1,0 +1,72 @@
+"""How :meth:`SyncBatchNorm.convert <parallel.batchnorm.syncbn.SyncBatchNorm.convert>` and ``revert`` walk a model:
+every submodule slot replaced once per module, a layer's state handed from the layer it replaces.
+
+Pure torch; imports nothing of this project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+__all__ = ["BatchNormXd", "defines_dim_check", "move_state", "replace_modules"]
+
+
+def replace_modules(
+    module: nn.Module,
+    replace: Callable[[nn.Module], nn.Module],
+    children_first: bool = False,
+    done: dict[int, nn.Module] | None = None,
+) -> nn.Module:
+    """``replace(module)``, with every submodule slot in the tree set to its own replacement.
+
+    Each module is replaced once (``done``: replacements by the replaced module's id), so a module in several
+    slots, of several parents or under two names of one, gets the same replacement in all of them. The slots
+    are read from ``_modules``: ``named_children()`` lists a module once per parent, under its first name.
+    ``children_first``: replace a module after its children (a reverted layer takes the reverted children),
+    not before (a converted layer's children are then walked).
+    """
+    done = {} if done is None else done
+    key = id(module)
+    if key in done:
+        return done[key]
+    if not children_first:
+        module = replace(module)
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            setattr(module, name, replace_modules(child, replace, children_first, done))
+    done[key] = replace(module) if children_first else module
+    return done[key]
+
+
+class BatchNormXd(_BatchNorm):
+    """BatchNorm for any input rank: what :meth:`SyncBatchNorm.revert` makes of a layer that
+    was not created by :meth:`SyncBatchNorm.convert`."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected a 2D-5D input (N, C, *), got {input.dim()}D")
+
+
+def defines_dim_check(module: nn.Module) -> bool:
+    """Whether ``module``'s class has its own ``_check_input_dim`` (``_NormBase``'s only raises)."""
+    return type(module)._check_input_dim is not _NormBase._check_input_dim
+
+
+def move_state(source: _BatchNorm, target: _BatchNorm) -> None:
+    """Point ``target``'s parameters, buffers and children at ``source``'s; copy its flags."""
+    # Shared tensors keep their device, dtype and requires_grad. A None (bias=False, no running
+    # stats) is set as well: `target` may be an original whose slot was a tensor.
+    for name in ("weight", "bias"):
+        setattr(target, name, getattr(source, name))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(target, name, getattr(source, name))
+    target.eps, target.momentum = source.eps, source.momentum
+    for name, child in source._modules.items():
+        target.add_module(name, child)
+    # The flag only, as torch's converter does: `.train()` would recurse into the children.
+    target.training = source.training
+    if hasattr(source, "qconfig"):  # keep quantisation configs, as torch's converter does
+        target.qconfig = source.qconfig
