@@ -223,7 +223,8 @@ class SyncBatchNorm(_BatchNorm):
         torch, a subclass's own ``forward`` and extra parameters are not used while converted.
         Parameters and buffers are shared with the replaced layers (not copied), so
         ``requires_grad``, values, device and dtype carry over; so do the training flag,
-        ``qconfig`` and child modules. A layer reachable from several places (``self.backbone =
+        ``qconfig``, child modules and hooks (the registries are shared: a forward hook registered on the
+        BatchNorm keeps running, its handle still removes it). A layer reachable from several places (``self.backbone =
         self.net[:2]``, an alias ``self.bn = self.net[1]``) becomes ONE new layer in all of them, so
         ``.eval()`` or ``track_running_stats`` set through any of its names reaches the layer that runs
         (torch's converter makes one copy per place and skips a second name in the same parent).
@@ -280,7 +281,8 @@ class SyncBatchNorm(_BatchNorm):
         """Undo :meth:`convert`: every :class:`SyncBatchNorm` gives back the layer it replaced.
 
         That is the original object (same class, hooks and attributes) holding the current
-        parameters and buffers, which may have been reassigned meanwhile (e.g. by ``.to()``).
+        parameters and buffers, which may have been reassigned meanwhile (e.g. by ``.to()``), the hooks
+        registered meanwhile and the flags set meanwhile (``track_running_stats``, ``momentum``, ``eps``, mode).
         A layer built directly as :class:`SyncBatchNorm` becomes a ``BatchNorm`` accepting any
         of the input ranks this class accepts.
 

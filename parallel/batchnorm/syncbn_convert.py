@@ -55,18 +55,28 @@ def defines_dim_check(module: nn.Module) -> bool:
     return type(module)._check_input_dim is not _NormBase._check_input_dim
 
 
+# nn.Module's hook registries (forward, pre-forward, backward, state-dict, load hooks; the set differs between torch
+# versions), read from a fresh module, and the flag saying which kind of backward hook it holds.
+_HOOK_SLOTS = tuple(name for name in vars(nn.Module()) if "hook" in name)
+
+
 def move_state(source: _BatchNorm, target: _BatchNorm) -> None:
-    """Point ``target``'s parameters, buffers and children at ``source``'s; copy its flags."""
+    """Point ``target``'s parameters, buffers, children and hooks at ``source``'s; copy its flags."""
     # Shared tensors keep their device, dtype and requires_grad. A None (bias=False, no running
     # stats) is set as well: `target` may be an original whose slot was a tensor.
     for name in ("weight", "bias"):
         setattr(target, name, getattr(source, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         setattr(target, name, getattr(source, name))
-    target.eps, target.momentum = source.eps, source.momentum
+    # track_running_stats too: BaseFinetuning sets it on the layer it sees (converted, while fitting).
+    target.eps, target.momentum, target.track_running_stats = source.eps, source.momentum, source.track_running_stats
     for name, child in source._modules.items():
         target.add_module(name, child)
     # The flag only, as torch's converter does: `.train()` would recurse into the children.
     target.training = source.training
+    # The registries themselves, shared: a hook registered on either layer (a forward hook logging activations)
+    # runs on the one in the model, and the handle torch returned for it still removes it.
+    for name in _HOOK_SLOTS:
+        object.__setattr__(target, name, getattr(source, name))
     if hasattr(source, "qconfig"):  # keep quantisation configs, as torch's converter does
         target.qconfig = source.qconfig

@@ -209,3 +209,35 @@ def test_a_layer_reachable_from_several_places_becomes_one_layer_in_all():
     SyncBatchNorm.revert(model)
     assert all(layer is original for layer in (model.net[1], model.backbone[1], model.norm, model.norm_alias))
     assert not original.training
+
+
+def test_hooks_of_the_replaced_layer_run_while_converted_and_stay_after_revert():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    seen = []
+    forward = net[1].register_forward_hook(lambda module, args, out: seen.append("forward"))
+    net[1].register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    net[1].register_full_backward_hook(lambda module, grad_in, grad_out: seen.append("backward"))
+
+    SyncBatchNorm.convert(net)
+    net(torch.randn(5, 3)).sum().backward()
+    assert seen == ["pre", "forward", "backward"]
+    forward.remove()  # the handle torch returned before the conversion still works
+    net[1].register_forward_hook(lambda module, args, out: seen.append("added while converted"))
+
+    SyncBatchNorm.revert(net)
+    assert type(net[1]) is nn.BatchNorm1d
+    seen.clear()
+    net(torch.randn(5, 3)).sum().backward()
+    assert seen == ["pre", "added while converted", "backward"]
+
+
+def test_revert_gives_back_the_flags_set_while_converted():
+    net = SyncBatchNorm.convert(nn.Sequential(nn.BatchNorm1d(4)))
+    net[0].track_running_stats = False  # what BaseFinetuning.freeze(..., train_bn=False) sets
+    net[0].momentum, net[0].eps = 0.3, 1e-3
+    net[0].eval()
+
+    SyncBatchNorm.revert(net)
+    layer = net[0]
+    assert type(layer) is nn.BatchNorm1d and not layer.track_running_stats and not layer.training
+    assert (layer.momentum, layer.eps) == (0.3, 1e-3)
