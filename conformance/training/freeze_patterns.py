@@ -19,6 +19,7 @@ __all__ = [
     "BackboneUnfreeze",
     "BatchNormBackboneInEval",
     "BatchNormBackboneUnfreeze",
+    "BatchNormFoundByClass",
     "FreezeAgain",
     "UnfreezeInHook",
     "UnfreezeInTrainingStep",
@@ -123,3 +124,29 @@ class BatchNormBackboneInEval(TrainingPattern):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
+
+
+class BatchNormFoundByClass(TrainingPattern):
+    label = (
+        "BatchNorm1d found by isinstance(m, nn.BatchNorm1d): left out of weight decay in configure_optimizers, "
+        "put in eval mode in on_train_epoch_start"
+    )
+    max_epochs = 2
+
+    def build(self) -> nn.Module:
+        return mlp(batchnorm=True)
+
+    def _batch_norms(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, nn.BatchNorm1d)]
+
+    def on_train_epoch_start(self) -> None:
+        for layer in self._batch_norms():  # running statistics only: ddp needs no SyncBatchNorm here
+            layer.eval()
+
+    def configure_optimizers(self) -> Any:
+        no_decay = {id(p) for layer in self._batch_norms() for p in layer.parameters()}
+        groups = [
+            {"params": [p for p in self.parameters() if id(p) not in no_decay], "weight_decay": 0.1},
+            {"params": [p for p in self.parameters() if id(p) in no_decay], "weight_decay": 0.0},
+        ]
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)

@@ -16,20 +16,21 @@ Pure torch; no Lightning import (the Lightning adapter is :mod:`strategies.train
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 
 from parallel.batchnorm import syncbn_fused
-from parallel.batchnorm.syncbn_convert import BatchNormXd, defines_dim_check, move_state, replace_modules
+from parallel.batchnorm.syncbn_convert import BatchNormXd, defines_dim_check, original_of, replace_modules, replacement
 from parallel.batchnorm.syncbn_function import StatsExchange, sync_batch_norm
 from parallel.batchnorm.syncbn_kernels import COMPILED_KERNELS
-from parallel.torch_compat import drop_bias, make_norm, norm_bias_kwargs, reset_norm_parameters
+from parallel.torch_compat import drop_bias, norm_bias_kwargs, reset_norm_parameters
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -41,7 +42,8 @@ class SyncBatchNorm(_BatchNorm):
     running statistics like torch. Every rank of the group must call forward and backward of this
     layer the same number of times, also ranks whose local batch is empty. A layer made by
     :meth:`convert` accepts the input ranks the replaced layer accepted (``BatchNorm2d``: 4D only);
-    one built directly accepts 2D to 5D.
+    one built directly accepts 2D to 5D. :meth:`convert` makes a ``BatchNorm{1,2,3}d`` (or a subclass of one) a
+    :class:`SyncBatchNorm1d` / ``2d`` / ``3d``, which is also an instance of that torch class.
 
     Args:
         num_features: Number of channels C.
@@ -64,6 +66,9 @@ class SyncBatchNorm(_BatchNorm):
             (a one-rank group: its collectives run on it; no process group: local statistics), not
             torch's native batch norm: for benchmarks and tests of the kernel.
     """
+
+    # What revert makes of a layer built directly, and (unless BatchNormXd) whose input check it applies.
+    _torch_class: ClassVar[type[_BatchNorm]] = BatchNormXd
 
     def __init__(
         self,
@@ -110,6 +115,8 @@ class SyncBatchNorm(_BatchNorm):
         if original is not None and defines_dim_check(original):
             # As strict as the replaced class, with its (torch's) message.
             original._check_input_dim(input)
+        elif original is None and self._torch_class is not BatchNormXd:
+            self._torch_class._check_input_dim(self, input)
         elif input.dim() not in (2, 3, 4, 5):
             raise ValueError(
                 f"SyncBatchNorm expects a 2D-5D input (N, C, *), got {input.dim()}D input of "
@@ -249,32 +256,12 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def _converted(cls, module: nn.Module, process_group: dist.ProcessGroup | None, compile: bool) -> nn.Module:
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-            return cls._replacing(module, process_group, compile)
-        return module
-
-    @classmethod
-    def _replacing(cls, module: _BatchNorm, process_group: dist.ProcessGroup | None, compile: bool) -> SyncBatchNorm:
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(
-                f"Cannot convert {type(module).__name__} to SyncBatchNorm: its parameters are "
-                f"not initialised yet (lazy module); run one forward pass on a sample batch "
-                f"before SyncBatchNorm.convert."
-            )
-        converted = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group,
-            device="meta",  # replaced by the shared tensors next: nothing allocated twice
-            bias=module.bias is not None,
-            compile=compile,
-        )
-        move_state(module, converted)
-        object.__setattr__(converted, "_original_module", module)
-        return converted
+        if not isinstance(module, _BatchNorm) or isinstance(module, cls):
+            return module
+        layer_class = cls  # a subclass of this class converts to itself
+        if cls is SyncBatchNorm:
+            layer_class = next((c for c in _BY_DIMENSION if isinstance(module, c._torch_class)), cls)
+        return replacement(module, layer_class, process_group=process_group, compile=compile)
 
     @staticmethod
     def revert(module: nn.Module) -> nn.Module:
@@ -284,7 +271,7 @@ class SyncBatchNorm(_BatchNorm):
         parameters and buffers, which may have been reassigned meanwhile (e.g. by ``.to()``), the hooks
         registered meanwhile and the flags set meanwhile (``track_running_stats``, ``momentum``, ``eps``, mode).
         A layer built directly as :class:`SyncBatchNorm` becomes a ``BatchNorm`` accepting any
-        of the input ranks this class accepts.
+        of the input ranks this class accepts; one built as :class:`SyncBatchNorm2d` a ``BatchNorm2d``.
 
         Args:
             module: A model, or a single :class:`SyncBatchNorm` layer.
@@ -296,11 +283,27 @@ class SyncBatchNorm(_BatchNorm):
 
     @staticmethod
     def _reverted(module: nn.Module) -> nn.Module:
-        if not isinstance(module, SyncBatchNorm):
-            return module
-        original = module._original_module
-        if original is None:
-            args = (module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-            original = make_norm(BatchNormXd, *args, device="meta", bias=module.bias is not None)
-        move_state(module, original)
-        return original
+        return original_of(module, module._torch_class) if isinstance(module, SyncBatchNorm) else module
+
+
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
+    """What :meth:`SyncBatchNorm.convert` makes of a ``BatchNorm1d``: also an ``nn.BatchNorm1d``, so code that
+    tests ``isinstance(module, nn.BatchNorm1d)`` (to freeze BatchNorm layers, to build weight-decay groups)
+    finds it while the model is converted."""
+
+    _torch_class = nn.BatchNorm1d
+
+
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
+    """:class:`SyncBatchNorm1d` for ``BatchNorm2d``."""
+
+    _torch_class = nn.BatchNorm2d
+
+
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
+    """:class:`SyncBatchNorm1d` for ``BatchNorm3d``."""
+
+    _torch_class = nn.BatchNorm3d
+
+
+_BY_DIMENSION = (SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d)

@@ -1,17 +1,21 @@
 """How :meth:`SyncBatchNorm.convert <parallel.batchnorm.syncbn.SyncBatchNorm.convert>` and ``revert`` walk a model:
 every submodule slot replaced once per module, a layer's state handed from the layer it replaces.
 
-Pure torch; imports nothing of this project.
+Pure torch; imports only ``parallel.torch_compat``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.lazy import LazyModuleMixin
 
-__all__ = ["BatchNormXd", "defines_dim_check", "move_state", "replace_modules"]
+from parallel.torch_compat import make_norm
+
+__all__ = ["BatchNormXd", "defines_dim_check", "move_state", "original_of", "replace_modules", "replacement"]
 
 
 def replace_modules(
@@ -39,6 +43,34 @@ def replace_modules(
             setattr(module, name, replace_modules(child, replace, children_first, done))
     done[key] = replace(module) if children_first else module
     return done[key]
+
+
+def replacement(module: _BatchNorm, layer_class: type[_BatchNorm], **options: Any) -> _BatchNorm:
+    """A ``layer_class(..., **options)`` holding ``module``'s state (:func:`move_state`) and ``module`` itself, for
+    :func:`original_of` to give back."""
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        raise ValueError(
+            f"Cannot convert {type(module).__name__} to SyncBatchNorm: its parameters are "
+            f"not initialised yet (lazy module); run one forward pass on a sample batch "
+            f"before SyncBatchNorm.convert."
+        )
+    args = (module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+    # device="meta": replaced by the shared tensors next, nothing allocated twice.
+    layer = layer_class(*args, device="meta", bias=module.bias is not None, **options)  # takes bias on any torch
+    move_state(module, layer)
+    object.__setattr__(layer, "_original_module", module)  # not a submodule: not in state_dict or modules()
+    return layer
+
+
+def original_of(layer: _BatchNorm, torch_class: type[_BatchNorm]) -> _BatchNorm:
+    """The layer :func:`replacement` made ``layer`` from (a new ``torch_class`` for one built directly), holding
+    ``layer``'s current state."""
+    original = layer._original_module
+    if original is None:
+        args = (layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+        original = make_norm(torch_class, *args, device="meta", bias=layer.bias is not None)
+    move_state(layer, original)
+    return original
 
 
 class BatchNormXd(_BatchNorm):

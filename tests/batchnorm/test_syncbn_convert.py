@@ -10,7 +10,7 @@ from lightning.pytorch.plugins import LayerSync
 from syncbn_cases import forward_backward
 from torch import nn
 
-from parallel.batchnorm.syncbn import SyncBatchNorm
+from parallel.batchnorm.syncbn import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 from parallel.torch_compat import make_norm
 from strategies.training.layer_sync import CustomSyncBatchNorm
 
@@ -31,14 +31,17 @@ def test_convert_replaces_every_batch_norm_and_shares_its_state():
 
     assert SyncBatchNorm.convert(net) is net
     layers = [net.features[1], net.volume, net.head[1]]
-    assert all(type(layer) is SyncBatchNorm for layer in layers)
+    assert [type(layer) for layer in layers] == [SyncBatchNorm2d, SyncBatchNorm3d, SyncBatchNorm1d]
+    # Still instances of the classes they replaced: isinstance(m, nn.BatchNorm2d) (freezing BatchNorm) finds them.
+    assert isinstance(net.features[1], nn.BatchNorm2d) and isinstance(net.volume, nn.BatchNorm3d)
+    assert isinstance(net.head[1], nn.BatchNorm1d) and not isinstance(net.head[1], nn.BatchNorm2d)
     after = net.state_dict(keep_vars=True)
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)  # shared, not copied
     assert not net.features[1].weight.requires_grad
     assert not net.volume.training and net.features[1].training
     assert net.volume.momentum is None and not net.head[1].affine
-    assert SyncBatchNorm.convert(net) is net and type(net.volume) is SyncBatchNorm  # idempotent
+    assert SyncBatchNorm.convert(net) is net and type(net.volume) is SyncBatchNorm3d  # idempotent
 
 
 def test_revert_restores_the_original_classes_and_state():
@@ -68,7 +71,7 @@ def test_layer_sync_plugin_applies_and_reverts():
     plugin = CustomSyncBatchNorm()
     assert isinstance(plugin, LayerSync)
     net = plugin.apply(_Net())
-    assert type(net.features[1]) is SyncBatchNorm
+    assert type(net.features[1]) is SyncBatchNorm2d
     assert type(plugin.revert(net).features[1]) is nn.BatchNorm2d
 
 
@@ -79,7 +82,7 @@ def test_convert_without_bias_keeps_bias_none_and_matches_torch():
     layer = make_norm(nn.BatchNorm2d, 4, bias=False).double()
     layer.load_state_dict(reference.state_dict())
     converted = SyncBatchNorm.convert(layer)
-    assert type(converted) is SyncBatchNorm and converted.bias is None
+    assert type(converted) is SyncBatchNorm2d and converted.bias is None
     assert "bias=False" in repr(converted)
     assert [name for name, _ in converted.named_parameters()] == ["weight"]  # nothing on meta
     generator = torch.Generator().manual_seed(1)
@@ -117,7 +120,8 @@ def test_convert_and_revert_subclasses_give_back_the_same_objects():
     before = net.state_dict(keep_vars=True)
 
     SyncBatchNorm.convert(net)
-    assert type(net[1]) is SyncBatchNorm and type(net[2]) is SyncBatchNorm
+    # A subclass of BatchNorm2d becomes a SyncBatchNorm2d; torch's SyncBatchNorm (no BatchNorm2d) a SyncBatchNorm.
+    assert type(net[1]) is SyncBatchNorm2d and type(net[2]) is SyncBatchNorm
     assert net[1].original_module is originals[0] and net[1].momentum == 0.3
     assert net[1].qconfig == "q" and not net[1].weight.requires_grad and not net[2].training
     assert all(net.state_dict(keep_vars=True)[k] is v for k, v in before.items())
@@ -135,7 +139,7 @@ def test_convert_and_revert_subclasses_give_back_the_same_objects():
 
 def test_convert_a_plain_batch_norm_subclass_accepts_2d_to_5d():
     layer = SyncBatchNorm.convert(_PlainNorm(3))
-    assert type(layer) is SyncBatchNorm
+    assert type(layer) is SyncBatchNorm  # a plain _BatchNorm subclass: no torch class of a dimension
     assert layer(torch.randn(4, 3)).shape == (4, 3)
     with pytest.raises(ValueError, match="2D-5D"):
         layer(torch.randn(3))
@@ -146,7 +150,7 @@ def test_convert_rejects_an_uninitialised_lazy_batch_norm():
         SyncBatchNorm.convert(nn.Sequential(nn.LazyBatchNorm2d()))
     lazy = nn.LazyBatchNorm2d()
     lazy(torch.randn(2, 3, 2, 2))  # initialised: it has become a BatchNorm2d
-    assert type(SyncBatchNorm.convert(lazy)) is SyncBatchNorm
+    assert type(SyncBatchNorm.convert(lazy)) is SyncBatchNorm2d
 
 
 @pytest.mark.parametrize(
@@ -176,11 +180,32 @@ def test_a_layer_built_directly_accepts_2d_to_5d():
         assert layer(torch.randn(shape)).shape == shape
 
 
+@pytest.mark.parametrize(
+    ("layer_class", "torch_class", "good", "bad"),
+    [
+        (SyncBatchNorm1d, nn.BatchNorm1d, (4, 3), (4, 3, 2, 2)),
+        (SyncBatchNorm2d, nn.BatchNorm2d, (4, 3, 2, 2), (4, 3)),
+        (SyncBatchNorm3d, nn.BatchNorm3d, (4, 3, 2, 2, 2), (4, 3, 2, 2)),
+    ],
+)
+def test_a_layer_of_one_dimension_built_directly_checks_like_and_reverts_to_its_torch_class(
+    layer_class, torch_class, good, bad
+):
+    layer = layer_class(3)
+    assert isinstance(layer, torch_class) and isinstance(layer, SyncBatchNorm)
+    assert layer(torch.randn(good)).shape == good
+    with pytest.raises(ValueError) as expected:
+        torch_class(3)(torch.randn(bad))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(expected.value))}$"):
+        layer(torch.randn(bad))
+    assert type(SyncBatchNorm.revert(layer)) is torch_class
+
+
 def test_convert_sync_batchnorm_is_torchs_name_for_convert():
     group = object()  # stands in for a ProcessGroup: convert only stores it
     net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)), group)
-    assert type(net[0]) is SyncBatchNorm and net[0].process_group is group
-    assert type(SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is SyncBatchNorm
+    assert type(net[0]) is SyncBatchNorm1d and net[0].process_group is group
+    assert type(SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is SyncBatchNorm1d
 
 
 class _Finetuned(nn.Module):
@@ -200,7 +225,7 @@ def test_a_layer_reachable_from_several_places_becomes_one_layer_in_all():
 
     SyncBatchNorm.convert(model)
     converted = model.net[1]
-    assert type(converted) is SyncBatchNorm
+    assert type(converted) is SyncBatchNorm1d
     assert model.backbone[1] is converted and model.norm is converted and model.norm_alias is converted
     model.backbone.eval()  # freezing through one name reaches the layer the forward runs
     assert not model.net[1].training
