@@ -145,11 +145,14 @@ class ExactResume:
         self._resumes += (resume,)
         return with_sampler(dataloader, resume.sampler, batching, "training loader", FALLBACK)
 
-    def _changes_since_interrupted(self, dataloader: object, index: int) -> dict[str, tuple[Any, Any]]:
-        """How training loader ``index`` orders the epoch unlike the interrupted fit's loader at its place."""
+    def _changes_since_interrupted(self, dataloader: object, index: int) -> dict[str, tuple[Any, Any]] | None:
+        """How training loader ``index`` orders the epoch unlike the interrupted fit's loader at its place; ``None``
+        where the checkpoint does not record it (another strategy's, ``ddp``'s, or an older one)."""
         orders, now = self._interrupted_orders or [], epoch_order(dataloader, self.world_size)
-        saved = orders[index] if index < len(orders) else None  # none in another strategy's checkpoint
-        return order_changes(saved, now) if saved is not None and now is not None else {}
+        saved = orders[index] if index < len(orders) else None
+        if saved is None:
+            return None
+        return order_changes(saved, now) if now is not None else {}
 
     def _restore_rng(self, remake_iterators: Callable[[], None] | None) -> None:
         """Set the resumed checkpoint's generators; ``remake_iterators``: make the loop's training iterators

@@ -79,7 +79,8 @@ class LoaderResume:
     """One training loader of a resumed fit: how far its first pass skipped, checked at the first batch.
 
     ``changes``: how this fit orders the epoch unlike the interrupted one (:func:`epoch_order.order_changes`; the
-    resume is then not exact, and says so); ``shards``: the samples a ``DistributedSampler`` shards over the ranks."""
+    resume is then not exact, and says so), ``None`` where the checkpoint does not record the interrupted order;
+    ``shards``: the samples a ``DistributedSampler`` shards over the ranks."""
 
     def __init__(
         self,
@@ -132,13 +133,21 @@ class LoaderResume:
         if self.done and self._changes:
             rank_zero_warn(changed_order_warning(epoch, self.done, self._batch_size, self._changes, self._shards))
         elif self.done:
-            rank_zero_info(
-                f"custom_ddp: resuming epoch {epoch} at batch {self.done}: the training loader leaves out the "
-                "batches the interrupted epoch trained (exact_resume; "
-                "Lightning's warning that the loader is not resumable does not apply)"
-            )
+            rank_zero_info(f"custom_ddp: resuming epoch {epoch} at batch {self.done}: {self._what_is_left_out()}")
         # A shorter loader, cycled within the epoch, is that far into its current pass.
         return (self.done % self._length) * self._batch_size if self.done else 0
+
+    def _what_is_left_out(self) -> str:
+        not_resumable = "Lightning's warning that the loader is not resumable does not apply"
+        if self._changes is None:
+            return (
+                f"the training loader leaves out the first {self.done} batches of each rank's shard of the epoch "
+                "(exact_resume). The checkpoint does not record how the interrupted fit ordered the epoch (written "
+                "by another strategy such as ddp, or by an older custom_ddp): that is the batches it trained if it "
+                f"ran on {self._trainer.world_size} rank(s) with this loader and sampler. {not_resumable} then"
+            )
+        left_out = "the training loader leaves out the batches the interrupted epoch trained"
+        return f"{left_out} (exact_resume; {not_resumable})"
 
     def check(self, epoch: int, batch_idx: int) -> None:
         """At the resumed fit's first training batch (``batch_idx``: where Lightning's loop goes on)."""

@@ -18,103 +18,36 @@ import pytest
 import torch
 import torch.distributed as dist
 from conformance_harness import custom_strategy, ddp_strategy, make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from resume_cases import (
+    BATCH,
+    FIT_OPTIONS,
+    SAMPLES,
+    Indexed,
+    Recorder,
+    assert_trained_the_rest_bitwise,
+    fit_recorded,
+)
+from torch.utils.data import DataLoader, DistributedSampler
 
 from strategies.custom_ddp import CustomDDPStrategy
 from strategies.resume.epoch_order import changed_order_warning, epoch_order, order_changes
-
-SAMPLES, BATCH, EPOCHS, ACCUMULATE = 48, 4, 2, 2  # 6 batches per rank and epoch, 3 optimizer steps
-_OPTIONS = {"max_epochs": EPOCHS, "accumulate_grad_batches": ACCUMULATE}  # every fit's, on 2 ranks or one
-
-
-class Indexed(Dataset):
-    """Fixed features and targets, with each sample's index (to record what was trained)."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(SAMPLES, 5, generator=generator), torch.randn(SAMPLES, 2, generator=generator)
-
-    def __len__(self) -> int:
-        return SAMPLES
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[index], self.y[index], index
-
-
-class Recorder(pl.LightningModule):
-    """A linear regression that records which samples each training batch held."""
-
-    def __init__(self, out: Path) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(5, 2)
-        self.out = out
-        self.seen: dict[tuple[int, int], list[int]] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, index = batch
-        self.seen[(self.current_epoch, batch_idx)] = index.tolist()
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
-
-    def on_fit_end(self) -> None:
-        state = {name: value.detach().clone() for name, value in self.state_dict().items()}
-        torch.save({"state": state, "seen": self.seen}, self.out / f"rank{self.global_rank}.pt")
-
-
-def _fit(
-    strategy: Any,
-    out: Path,
-    ckpt_path: Path | None = None,
-    module: type[Recorder] | None = None,
-    by_epoch: bool = False,
-) -> list[dict[str, Any]]:
-    """A fit that checkpoints every 2 optimizer steps (``step=S.ckpt``), or at each epoch's end (``epoch=E.ckpt``)."""
-    out.mkdir(parents=True)
-    pl.seed_everything(0, verbose=False)
-    every = (
-        {"filename": "{epoch}", "every_n_epochs": 1} if by_epoch else {"filename": "{step}", "every_n_train_steps": 2}
-    )
-    checkpoints = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, **every)
-    trainer = make_trainer(strategy, enable_checkpointing=True, callbacks=[checkpoints], **_OPTIONS)
-    trainer.fit((module or Recorder)(out), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
-
-
-def _assert_trained_the_rest_bitwise(
-    resumed: list[dict[str, Any]], truth: list[dict[str, Any]], first: tuple[int, int]
-) -> None:
-    """Each rank trained the uninterrupted fit's batches from ``first`` (epoch, batch index) on, each once with
-    the same samples, and ends with its weights, bitwise."""
-    for rank in range(2):
-        expected = {key: value for key, value in truth[rank]["seen"].items() if key >= first}
-        assert resumed[rank]["seen"] == expected, f"rank {rank}"
-        for name, value in truth[rank]["state"].items():
-            assert torch.equal(resumed[rank]["state"][name], value), f"rank {rank}: {name}"
 
 
 def _assert_resumed_from_epoch_0s_end_trains_epoch_1s_order(tmp_path: Path, module: type[Recorder]) -> None:
     """A fit checkpointing at each epoch's end; one resumed from epoch 0's end trains the rest bitwise, and
     ``ddp`` resumed from it trains epoch 0's order again (what the first check would catch)."""
-    truth = _fit(custom_strategy(), tmp_path / "full", module=module, by_epoch=True)
+    truth = fit_recorded(custom_strategy(), tmp_path / "full", module=module, by_epoch=True)
     checkpoint = tmp_path / "full" / "ckpt" / "epoch=0.ckpt"
-    resumed = _fit(custom_strategy(), tmp_path / "resumed", checkpoint, module, by_epoch=True)
-    ddp = _fit(ddp_strategy(), tmp_path / "ddp", checkpoint, module, by_epoch=True)
-    _assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
+    resumed = fit_recorded(custom_strategy(), tmp_path / "resumed", checkpoint, module, by_epoch=True)
+    ddp = fit_recorded(ddp_strategy(), tmp_path / "ddp", checkpoint, module, by_epoch=True)
+    assert_trained_the_rest_bitwise(resumed, truth, (1, 0))
     assert ddp[0]["seen"][(1, 0)] == truth[0]["seen"][(0, 0)]  # epoch 0's first batch, again
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    return out, _fit(custom_strategy(), out)
+    return out, fit_recorded(custom_strategy(), out)
 
 
 @pytest.mark.distributed
@@ -123,8 +56,8 @@ def test_a_fit_resumed_mid_epoch_trains_the_rest_of_the_epoch_and_ends_bitwise_a
     tmp_path: Path, uninterrupted: tuple[Path, list[dict[str, Any]]], step: int
 ) -> None:
     out, truth = uninterrupted
-    resumed = _fit(custom_strategy(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
-    _assert_trained_the_rest_bitwise(resumed, truth, {2: (0, 4), 4: (1, 2)}[step])  # after the checkpoint
+    resumed = fit_recorded(custom_strategy(), tmp_path / "resumed", out / "ckpt" / f"step={step}.ckpt")
+    assert_trained_the_rest_bitwise(resumed, truth, {2: (0, 4), 4: (1, 2)}[step])  # after the checkpoint
 
 
 class OneCycle(Recorder):
@@ -159,9 +92,11 @@ def test_loaders_set_up_before_the_restore_or_iterated_by_workers_resume_bitwise
 ) -> None:
     """With workers, the loop's iterator draws indices when it is made: before the restore (OneCycle)
     or before ``set_epoch`` (every resumed fit). The resumed epoch's samples, in its order, each once."""
-    truth = _fit(custom_strategy(), tmp_path / "full", module=module)
-    resumed = _fit(custom_strategy(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module)
-    _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
+    truth = fit_recorded(custom_strategy(), tmp_path / "full", module=module)
+    resumed = fit_recorded(
+        custom_strategy(), tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=4.ckpt", module=module
+    )
+    assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
 
 
 @pytest.mark.distributed
@@ -177,7 +112,7 @@ def test_ddp_starts_the_epoch_over_on_the_same_resume(
 ) -> None:
     """Lightning's ddp trains the epoch's first batches again: what the test above would catch."""
     out, truth = uninterrupted
-    resumed = _fit(ddp_strategy(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
+    resumed = fit_recorded(ddp_strategy(), tmp_path / "ddp", out / "ckpt" / "step=4.ckpt")
     assert resumed[0]["seen"][(1, 2)] == truth[0]["seen"][(1, 0)]  # batch index 2 got the epoch's first batch
     assert not torch.equal(resumed[0]["state"]["net.weight"], truth[0]["state"]["net.weight"])
 
@@ -200,7 +135,7 @@ class OwnSampler(Recorder):
 def _fit_here(module: Recorder, ckpt_path: Path | None = None) -> dict[str, Any]:
     """One process with the popen launcher: the fit runs in this process, where pytest sees its warnings."""
     pl.seed_everything(0, verbose=False)
-    trainer = make_trainer(CustomDDPStrategy(timeout=timedelta(seconds=60)), devices=1, **_OPTIONS)
+    trainer = make_trainer(CustomDDPStrategy(timeout=timedelta(seconds=60)), devices=1, **FIT_OPTIONS)
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
     finally:  # the group lives in this process: forked ranks of later tests must not inherit it
@@ -332,11 +267,11 @@ def test_a_loader_that_keeps_its_position_is_left_to_lightning_and_resumes_bitwi
     """Lightning loads a resumable loader's position from the checkpoint: it is neither rebuilt nor warned
     about (it does not start the epoch over). Lightning makes its iterator before it sets the sampler's epoch,
     and a worker draws the indices at once: the restored epoch is set first (``ddp`` trains epoch 0's order)."""
-    truth = _fit(custom_strategy(), tmp_path / "full", module=ResumableWorkers)
+    truth = fit_recorded(custom_strategy(), tmp_path / "full", module=ResumableWorkers)
     checkpoint = tmp_path / "full" / "ckpt" / "step=4.ckpt"
-    resumed = _fit(custom_strategy(), tmp_path / "resumed", checkpoint, ResumableWorkers)
-    ddp = _fit(ddp_strategy(), tmp_path / "ddp", checkpoint, ResumableWorkers)
-    _assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
+    resumed = fit_recorded(custom_strategy(), tmp_path / "resumed", checkpoint, ResumableWorkers)
+    ddp = fit_recorded(ddp_strategy(), tmp_path / "ddp", checkpoint, ResumableWorkers)
+    assert_trained_the_rest_bitwise(resumed, truth, (1, 2))
     assert ddp[0]["seen"][(1, 2)] != truth[0]["seen"][(1, 2)]  # what the check above would catch
     (tmp_path / "here").mkdir()
     with warnings.catch_warnings(record=True) as caught:
