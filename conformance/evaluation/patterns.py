@@ -37,6 +37,7 @@ __all__ = [
     "IteratorStepsModule",
     "MeanStateMetric",
     "PatternModule",
+    "TwoLoadersModule",
     "ValidateInsideFit",
     "VariableWidthGather",
     "dataset",
@@ -245,3 +246,28 @@ class VariableWidthGather(PatternModule):
 
     def on_validation_epoch_end(self) -> None:
         self.all_gather(torch.zeros(2, 2 + self.global_rank))
+
+
+class TwoLoadersModule(pl.LightningModule):
+    """Two validation loaders (11 and 7 samples, batches of 4 and 3), a metric object per loader in ``nn.ModuleList``s
+    indexed by ``dataloader_idx`` (Lightning's docs' pattern); Lightning names each value ``<name>/dataloader_idx_<i>``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.accuracy = nn.ModuleList([BinaryAccuracy(), BinaryAccuracy()])
+        self.auroc = nn.ModuleList([BinaryAUROC(), BinaryAUROC()])
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        features, labels, _ = batch
+        scores = torch.sigmoid(self.net(features)).squeeze(1)
+        self.accuracy[dataloader_idx].update(scores, labels)
+        self.auroc[dataloader_idx].update(scores, labels)
+        self.log("accuracy", self.accuracy[dataloader_idx])
+        self.log("auroc", self.auroc[dataloader_idx])
+        self.log("loss", nn.functional.binary_cross_entropy(scores, labels.float()), sync_dist=True)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [DataLoader(dataset(), batch_size=BATCH_SIZE), DataLoader(dataset(7, seed=1), batch_size=3)]

@@ -30,6 +30,7 @@ from conformance.evaluation.patterns import (
     CallbackAUROC,
     IteratorStepsModule,
     PatternModule,
+    TwoLoadersModule,
     ValidateInsideFit,
     VariableWidthGather,
 )
@@ -79,6 +80,7 @@ PREFIX_LABELS = {  # metrics returning a dict, logged with log_dict at epoch end
     "collection_nogroups": "MetricCollection(F1, AP, compute_groups=False)",
     "classwise": "ClasswiseWrapper(MulticlassAccuracy(average=None))",
     "multitask": "MultitaskWrapper(acc, mse)",
+    "two_loaders": "two validation loaders (11 + 7 samples), metrics per loader by dataloader_idx",
 }
 
 
@@ -140,6 +142,8 @@ def _patterns(setting: str, work: Path) -> dict[str, Any]:
         result = uneven_values(setting, iterable=kind == "iterable")
         for name in ("accuracy", "loss"):
             values[f"uneven_{kind}/{name}"] = result if isinstance(result, str) else result[name]
+    for results in _trainer(setting).validate(TwoLoadersModule(), verbose=False):
+        values.update({f"two_loaders/{key}": value for key, value in results.items()})
     values["variable_width_all_gather"] = outcome_of(
         lambda: _trainer(setting).validate(VariableWidthGather(out), verbose=False) and "gathered"
     )

@@ -27,6 +27,7 @@ from conformance.evaluation.patterns import (
     CallbackAUROC,
     IteratorStepsModule,
     PatternModule,
+    TwoLoadersModule,
     ValidateInsideFit,
     dataset,
 )
@@ -190,3 +191,13 @@ def test_mid_epoch_validation_with_early_stopping_on_a_cat_state_metric_stops_li
     assert actual == pytest.approx(expected, rel=1e-6) and set(actual) == {"val_auroc"}
     # the 3rd check: mid-epoch of epoch 1 (8 batches per epoch in one process, 4 per rank on two)
     assert one_stop == [2, 12] and custom_stop == [2, 6]  # stopped in epoch 1, which then ends
+
+
+def test_two_validation_loaders_with_metrics_per_loader_equal_one_process() -> None:
+    expected = one_process_trainer().validate(TwoLoadersModule(), verbose=False)
+    got = make_trainer(custom_strategy()).validate(TwoLoadersModule(), verbose=False)
+    assert [sorted(results) for results in got] == [sorted(results) for results in expected]
+    assert sorted(expected[1]) == ["accuracy/dataloader_idx_1", "auroc/dataloader_idx_1", "loss/dataloader_idx_1"]
+    for ours, theirs in zip(got, expected, strict=True):
+        for name, value in theirs.items():
+            assert abs(float(ours[name]) - float(value)) <= 1e-6, name
