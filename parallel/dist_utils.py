@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import defaultdict
 from datetime import timedelta
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_module_state", "consecutive_rank_group", "group_world_size"]
+__all__ = ["broadcast_module_state", "check_same_layout", "consecutive_rank_group", "group_world_size", "module_layout"]
 
 
 def group_world_size(process_group: dist.ProcessGroup | None = None) -> int:
@@ -31,6 +32,50 @@ def broadcast_module_state(module: nn.Module, process_group: dist.ProcessGroup |
         dist.broadcast(flat, src=src, group=process_group)
         for tensor, chunk in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             tensor.copy_(chunk.view_as(tensor))
+
+
+def module_layout(module: nn.Module) -> list[str]:
+    """One line per parameter and buffer of ``module``: what every rank's copy must share to be averaged."""
+    named = itertools.chain(
+        (("parameter", name, t) for name, t in module.named_parameters()),
+        (("buffer", name, t) for name, t in module.named_buffers()),
+    )
+    return [
+        f"{kind} {name} of shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')}, strides {t.stride()}"
+        for kind, name, t in named
+    ]
+
+
+def check_same_layout(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+    """Raise ``ValueError`` on every rank of the group when the ranks' copies of ``module`` differ in a parameter's
+    or buffer's name, shape, dtype or strides (torch DDP checks the same): rank 0's values would be broadcast into
+    tensors of another shape and gradients summed element by element across different tensors. One all_gather
+    of a digest; the layouts themselves only when they differ."""
+    lines = module_layout(module)
+    digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little", signed=True)
+    nccl = dist.get_backend(process_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(every, mine, group=process_group)
+    if all(torch.equal(other, mine) for other in every):
+        return
+    layouts: list[list[str] | None] = [None] * len(every)
+    dist.all_gather_object(layouts, lines, group=process_group)
+    raise ValueError(_first_difference(layouts))  # type: ignore[arg-type]
+
+
+def _first_difference(layouts: list[list[str]]) -> str:
+    rank = next(r for r, lines in enumerate(layouts) if lines != layouts[0])
+    first, other = layouts[0], layouts[rank]
+    at = next((i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b), min(len(first), len(other)))
+    line = lambda lines: lines[at] if at < len(lines) else "nothing more"  # noqa: E731
+    return (
+        f"the ranks' models differ, so their gradients cannot be averaged: rank 0 has {len(first)} parameters and "
+        f"buffers, rank {rank} has {len(other)}; the first difference: rank 0 has {line(first)}, rank {rank} has "
+        f"{line(other)}. Build the same model on every rank: sizes that do not depend on the rank or its data, "
+        "the same dtype and memory format"
+    )
 
 
 def consecutive_rank_group(group_size: int, timeout: timedelta | None = None) -> dist.ProcessGroup:

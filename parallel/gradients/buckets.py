@@ -190,12 +190,31 @@ def build_buckets(
         )
         views, offset = [], 0
         for p in members:
-            views.append(buffer[offset : offset + p.numel()].view_as(p))
+            views.append(_grad_view(buffer[offset : offset + p.numel()], p))
             offset += p.numel()
         bucket = Bucket(bucket_index, members, buffer, views, status_slots=slots, shared=every_rank)
         bucket.reset()
         buckets.append(bucket)
     return buckets
+
+
+def _grad_view(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``flat`` shaped like ``param``, with ``param``'s strides when it is dense (a channels_last convolution weight
+    too): the layout autograd gives its gradient (torch DDP's bucket views keep it too), so moving a gradient into
+    the bucket, the all-reduce and the optimizer's update all walk memory in order."""
+    return flat.as_strided(param.shape, param.stride()) if _dense(param) else flat.view_as(param)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill ``numel()`` consecutive slots of memory in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def describe_buckets(buckets: Sequence[Bucket], module: torch.nn.Module | None = None) -> str:

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.dist_utils import broadcast_module_state, group_world_size
+from parallel.dist_utils import broadcast_module_state, check_same_layout, group_world_size
 from parallel.gradients.buckets import Bucket
 from parallel.gradients.buffer_sync import BufferBroadcast
 from parallel.gradients.reducer import GradReducer
@@ -115,6 +115,8 @@ class SyncedDataParallel(nn.Module):
         self.module = module
         self._world_size = group_world_size(process_group)
         self._backend = dist.get_backend(process_group) if self._world_size > 1 else "gloo"
+        if self._world_size > 1:
+            check_same_layout(module, process_group)
         if broadcast_init and self._world_size > 1:
             broadcast_module_state(module, process_group)
         self._buffer_sync = (
