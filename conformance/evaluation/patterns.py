@@ -34,6 +34,7 @@ from torchmetrics.wrappers import ClasswiseWrapper, MinMaxMetric, MultitaskWrapp
 __all__ = [
     "NUM_SAMPLES",
     "CallbackAUROC",
+    "DropLastModule",
     "IteratorStepsModule",
     "MeanStateMetric",
     "PatternModule",
@@ -271,3 +272,20 @@ class TwoLoadersModule(pl.LightningModule):
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(dataset(), batch_size=BATCH_SIZE), DataLoader(dataset(7, seed=1), batch_size=3)]
+
+
+class DropLastModule(pl.LightningModule):
+    """A validation loader with ``drop_last=True`` (11 samples, batches of 4: one process evaluates samples 0-7);
+    logs the sum of the evaluated samples' indices, which tells which samples were evaluated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.index_sum = SumMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.index_sum.update(batch[2].sum().float())
+        self.log("index_sum", self.index_sum)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=BATCH_SIZE, drop_last=True)

@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from benchmarks.readme_block import replace_block
 from conformance.evaluation.patterns import (
     CallbackAUROC,
+    DropLastModule,
     IteratorStepsModule,
     PatternModule,
     TwoLoadersModule,
@@ -63,6 +64,7 @@ LABELS = {
     "all_gather_shape": "self.all_gather(per-sample scores) at epoch end: shape",
     "all_gather_samples_rows": "strategy.all_gather_samples(per-sample scores): rows",
     "dataloader_iter_count": "SumMetric of samples, dataloader_iter steps",
+    "drop_last_index_sum": "a drop_last=True loader (11 samples, batches of 4): sum of the evaluated samples' indices",
     "list_loader_count": "trainer.test(model, [0, 1, 2]): SumMetric of steps",
     "variable_width_all_gather": "self.all_gather of (2, 2 + rank) tensors",
     "validate_inside_fit": "trainer.validate() from a callback during fit",
@@ -131,6 +133,7 @@ def _patterns(setting: str, work: Path) -> dict[str, Any]:
     values["all_gather_shape"] = "x".join(map(str, gathered["all_gather_shape"]))
     values["all_gather_samples_rows"] = gathered.get("all_gather_samples_rows", "n/a")
     values["dataloader_iter_count"] = _trainer(setting).validate(IteratorStepsModule(), verbose=False)[0]["count"]
+    values["drop_last_index_sum"] = _trainer(setting).validate(DropLastModule(), verbose=False)[0]["index_sum"]
     values["list_loader_count"] = _trainer(setting).test(IteratorStepsModule(), [0, 1, 2], verbose=False)[0]["count"]
     values["validate_inside_fit"] = outcome_of(
         lambda: (

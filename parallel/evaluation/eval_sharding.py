@@ -19,7 +19,8 @@ lengths), for callers that must fall back to equal batch counts on every rank.
 A :class:`ShardPlan` holds the whole decision for one loader, made once from numbers every rank
 knows (the broadcast count, the batch size, Lightning's ``limit_*_batches``): the layout (every
 rank must run at least one batch or none does, else ``strided_padded``), each rank's shard length
-and batch count.
+and batch count. A ``drop_last`` loader's shards are whole batches of the samples before the set's last partial
+batch: what one process evaluates.
 
 Collectives: one broadcast of the count plus one scatter of indices, called by every rank of
 the group in the same order. Pure torch; no Lightning import.
@@ -127,10 +128,16 @@ class ShardPlan:
         """The plan every rank computes alike from the count, the batching and the batch limit."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
-        rounding = math.floor if drop_last else math.ceil
-        batches = tuple(limited_batches(rounding(n / batch_size), limit) for n in shard_sizes(num_samples, world_size))
+        if drop_last:
+            # Whole batches only, in order: the samples one process evaluates (it drops the set's last partial batch),
+            # where shards of any length would each drop their own.
+            sizes = [batch_size * n for n in shard_sizes(num_samples // batch_size, world_size)]
+        else:
+            sizes = shard_sizes(num_samples, world_size)
+        batches = tuple(limited_batches(math.ceil(n / batch_size), limit) for n in sizes)
         layout: ShardLayout = "contiguous" if all(batches) or not any(batches) else "strided_padded"
-        return cls(num_samples, layout, tuple(shard_lengths(num_samples, world_size, layout)), batches)
+        lengths = sizes if layout == "contiguous" else shard_lengths(num_samples, world_size, layout)
+        return cls(num_samples, layout, tuple(lengths), batches)
 
     @property
     def world_size(self) -> int:
@@ -140,7 +147,10 @@ class ShardPlan:
         """The sample ``order`` (on the source rank) split into one index list per rank."""
         if len(order) != self.num_samples:
             raise ValueError(f"the plan is for {self.num_samples} samples, the order has {len(order)}")
-        return make_shards(order, self.world_size, self.layout)
+        if self.layout == "strided_padded":
+            return make_shards(order, self.world_size, self.layout)
+        bounds = [0, *itertools.accumulate(self.lengths)]  # a drop_last plan leaves the last partial batch out
+        return [list(order[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def broadcast_count(

@@ -25,6 +25,7 @@ from collectives.launcher import run_workers
 from conformance.evaluation.patterns import (
     NUM_SAMPLES,
     CallbackAUROC,
+    DropLastModule,
     IteratorStepsModule,
     PatternModule,
     TwoLoadersModule,
@@ -201,3 +202,9 @@ def test_two_validation_loaders_with_metrics_per_loader_equal_one_process() -> N
     for ours, theirs in zip(got, expected, strict=True):
         for name, value in theirs.items():
             assert abs(float(ours[name]) - float(value)) <= 1e-6, name
+
+
+def test_a_drop_last_loader_evaluates_the_samples_one_process_evaluates() -> None:
+    expected = _validate(one_process_trainer(), DropLastModule())
+    assert expected == {"index_sum": float(sum(range(8)))}  # samples 0-7; 8-10 are the last partial batch
+    assert _validate(make_trainer(custom_strategy()), DropLastModule()) == expected

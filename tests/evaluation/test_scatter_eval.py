@@ -52,6 +52,20 @@ def test_a_plan_counts_batches_as_lightning_does_and_rejects_a_wrong_order() -> 
         ShardPlan.decide(11, 2, batch_size=0)
 
 
+@pytest.mark.parametrize(
+    ("num_samples", "batch_size", "lengths"), [(11, 4, (4, 4)), (13, 3, (6, 6)), (20, 3, (9, 9)), (9, 2, (4, 4))]
+)
+def test_a_drop_last_plan_shards_whole_batches_of_the_samples_one_process_evaluates(
+    num_samples, batch_size, lengths
+) -> None:
+    plan = ShardPlan.decide(num_samples, 2, batch_size=batch_size, drop_last=True)
+    assert (plan.layout, plan.lengths) == ("contiguous", lengths)
+    shards = plan.shards(list(range(num_samples)))
+    # One process with drop_last evaluates the first (num_samples // batch_size) * batch_size samples.
+    assert [i for shard in shards for i in shard] == list(range(num_samples // batch_size * batch_size))
+    assert all(len(shard) % batch_size == 0 for shard in shards)  # each rank's loader drops nothing
+
+
 def test_contiguous_shards_follow_the_given_order() -> None:
     order = [9, 3, 7, 1, 0, 5, 2]
     assert make_shards(order, 2) == [[9, 3, 7, 1], [0, 5, 2]]
