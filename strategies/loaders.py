@@ -15,7 +15,14 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-__all__ = ["flat_loaders", "index_batching", "keeps_its_position", "set_sampler_epoch", "with_sampler"]
+__all__ = [
+    "flat_loaders",
+    "index_batching",
+    "keeps_its_position",
+    "loader_samplers",
+    "set_sampler_epoch",
+    "with_sampler",
+]
 
 # DataLoader settings carried over to the rebuilt loader unchanged (all but dataset/batching/sampling).
 _KEPT_LOADER_ARGS = (
@@ -52,15 +59,18 @@ def keeps_its_position(dataloader: object) -> bool:
     return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
 
 
+def loader_samplers(dataloader: object) -> list[Any]:
+    """The loader's sampler and its batch sampler's (where Lightning injects its sampler when a batch sampler of the
+    user's own is given), each once."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    found = (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    return list({id(sampler): sampler for sampler in found if sampler is not None}.values())
+
+
 def set_sampler_epoch(dataloader: object, epoch: int) -> None:
     """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's, those that have it (as Lightning's
     loop does at an epoch's start; its helper for that is private)."""
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    samplers = {
-        id(sampler): sampler
-        for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
-    }
-    for sampler in samplers.values():
+    for sampler in loader_samplers(dataloader):
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
 
@@ -75,6 +85,8 @@ def index_batching(dataloader: object) -> tuple[int, bool] | str:
         return dataloader.batch_size, dataloader.drop_last
     if type(dataloader.batch_sampler) is BatchSampler:  # torch's own: its batches are re-made from the sampler
         return dataloader.batch_sampler.batch_size, dataloader.batch_sampler.drop_last
+    if dataloader.batch_sampler is None:
+        return "unbatched (batch_size=None: each item is a step)"
     return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
 
 

@@ -12,8 +12,9 @@ torch of :mod:`parallel.evaluation.eval_sharding` and :mod:`parallel.evaluation.
   ``collate_fn``, workers, pinning and transforms untouched: a step receives exactly the batch the
   user's loader would give it. Loaders that cannot be re-sharded by index (an ``IterableDataset``, a
   sampler of the user's own or none injected (``use_distributed_sampler=False``: the user shards), a
-  custom batch sampler, an iterable that is no ``DataLoader``) are used as they are, with a warning,
-  as Lightning's ``ddp`` uses them; their lengths may differ per rank (see **Runs**).
+  custom batch sampler, ``batch_size=None``, an iterable that is no ``DataLoader``) are used as Lightning's ``ddp``
+  uses them, with a warning: the identity sampler injected into them shards as ``ddp``'s (strided, padded); their
+  lengths may differ per rank (see **Runs**).
 - **Runs** (``on_validation_start``/``on_test_start`` ... ``on_*_end`` and ``teardown``): one
   :class:`_EvaluationRun` per validation/test/sanity run counts this rank's steps against the
   Trainer's own per-rank batch counts and hands the torchmetrics of the module and of the callbacks
@@ -43,13 +44,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
 from parallel.evaluation.eval_sharding import ShardPlan, ShardSampler, broadcast_count, scatter_shard_indices
 from parallel.evaluation.metric_sync import MetricSync
-from strategies.loaders import index_batching, with_sampler
+from strategies.loaders import index_batching, loader_samplers, with_sampler
 from strategies.options import is_mean_op
 
 __all__ = ["ScatterEvaluation", "shard_loader"]
@@ -63,10 +64,29 @@ def _batching(dataloader: object) -> tuple[int, bool] | str:
     sampler = getattr(dataloader, "sampler", None)
     if isinstance(sampler, DistributedSampler) and sampler.num_replicas != 1:
         return "sharded by a DistributedSampler of your own"
-    if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
-        if not isinstance(sampler, DistributedSampler):  # Lightning injects one (the identity) unless told not to
-            return f"sampled by a {type(sampler).__name__} of your own (use_distributed_sampler=False)"
-    return index_batching(dataloader)
+    batching = index_batching(dataloader)
+    if not isinstance(batching, str) and not isinstance(sampler, DistributedSampler):
+        # Lightning injects one (the identity) unless told not to
+        return f"sampled by a {type(sampler).__name__} of your own (use_distributed_sampler=False)"
+    return batching
+
+
+def _shard_as_ddp(dataloader: object) -> bool:
+    """Make the identity sampler Lightning injected into a loader that is not scattered shard it as under ``ddp``
+    (strided, padded to equal lengths; in place, whoever holds it: the loader or a batch sampler of the user's own).
+    Without this every rank would evaluate the whole set. Whether there was one."""
+    injected = [
+        sampler
+        for sampler in loader_samplers(dataloader)
+        if isinstance(sampler, DistributedSampler) and sampler.num_replicas == 1
+    ]
+    world_size, rank = (dist.get_world_size(), dist.get_rank()) if injected else (1, 0)
+    for sampler in injected:  # DistributedSampler.__init__'s arithmetic for these replicas
+        length = len(sampler.dataset)  # type: ignore[arg-type]
+        per_rank = length // world_size if sampler.drop_last else math.ceil(length / world_size)
+        sampler.num_replicas, sampler.rank = world_size, rank
+        sampler.num_samples, sampler.total_size = per_rank, per_rank * world_size
+    return bool(injected)
 
 
 def _warn_fallback(plan: ShardPlan, batch_size: int, limit: int | float) -> None:
@@ -83,10 +103,14 @@ def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.devic
     """This rank's shard of an evaluation ``dataloader`` (see the module docstring). Two collectives."""
     batching = _batching(dataloader)
     if isinstance(batching, str):
+        how = (
+            "sharded by Lightning's DistributedSampler, padded with repeats, as under ddp"
+            if _shard_as_ddp(dataloader)
+            else "used as it is, as Lightning's ddp uses it"
+        )
         rank_zero_warn(
-            f"custom_ddp: an evaluation loader is {batching}: it is used as it is, without scatter "
-            "evaluation (as Lightning's ddp uses it); metrics are exact only if it covers each "
-            "sample once over all ranks."
+            f"custom_ddp: an evaluation loader is {batching}: it is {how}, without scatter evaluation; "
+            "metrics are exact only if it covers each sample once over all ranks."
         )
         return dataloader
     order = list(dataloader.sampler) if dist.get_rank() == 0 else None  # the identity sampler: the full order

@@ -14,11 +14,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conformance_harness import custom_strategy, make_trainer, one_process_trainer
+from conformance_harness import custom_strategy, ddp_strategy, make_trainer, one_process_trainer
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -217,3 +217,40 @@ def test_iterable_eval_loader_is_used_as_lightning_makes_it() -> None:
     module.val_dataloader = lambda: DataLoader(_IterableSamples(), batch_size=4)
     actual = make_trainer(custom_strategy()).validate(module, verbose=False)[0]
     assert actual["val/count"] == 2 * NUM_SAMPLES
+
+
+class _OwnBatchSampler(BatchSampler):
+    """A batch sampler class of the user's own: its batches cannot be re-made by index."""
+
+
+class _Batches(Dataset):
+    """Whole batches as items, for a loader with batch_size=None (each item is a step)."""
+
+    def __init__(self) -> None:
+        self.data = IndexedDataset()
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int):
+        rows = torch.arange(4 * index, min(4 * index + 4, NUM_SAMPLES))
+        return self.data.features[rows], self.data.labels[rows], rows
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [
+        lambda: DataLoader(IndexedDataset(), batch_sampler=_OwnBatchSampler(SequentialSampler(range(11)), 4, False)),
+        lambda: DataLoader(_Batches(), batch_size=None),
+    ],
+    ids=["own_batch_sampler", "batch_size_none"],
+)
+def test_a_loader_that_cannot_be_scattered_is_sharded_as_under_ddp(loader) -> None:
+    # Before, the identity sampler injected for scatter evaluation stayed: every rank evaluated the whole set.
+    results = {}
+    for name, strategy in (("ddp", ddp_strategy), ("custom_ddp", custom_strategy)):
+        module = EvalModule()
+        module.val_dataloader = loader
+        results[name] = make_trainer(strategy()).validate(module, verbose=False)[0]
+    assert results["custom_ddp"] == results["ddp"]
+    assert results["custom_ddp"]["val/count"] < 2 * NUM_SAMPLES
