@@ -227,6 +227,18 @@ class DoubleBackward(TrainingPattern):
         return F.mse_loss(outputs, targets) + 0.1 * input_grad.pow(2).mean()
 
 
+class BuiltInConfigureModel(TrainingPattern):
+    label = "layers built in configure_model, each rank seeded by its rank (rank 0's initial weights are kept)"
+
+    def build(self) -> nn.Module | None:
+        return None  # Lightning calls configure_model before the strategy wraps the module
+
+    def configure_model(self) -> None:
+        if self.net is None:  # called again by a later trainer.fit / validate
+            torch.manual_seed(self.global_rank)  # one process: rank 0, the truth's initial weights
+            self.net = mlp()
+
+
 PATTERNS: dict[str, type[TrainingPattern]] = {
     "after_backward": AfterBackwardClamp,
     "after_manual_backward": ManualBackwardRescale,
@@ -252,6 +264,7 @@ PATTERNS: dict[str, type[TrainingPattern]] = {
     "reentrant_checkpointing": ReentrantCheckpointing,
     "float64": Float64Parameters,
     "double_backward": DoubleBackward,
+    "configure_model": BuiltInConfigureModel,
     "lbfgs_closure": LBFGSClosure,
     "grad_norm_clip_by_value": GradNormLoggedClipByValue,
     "dropout_resumed_mid_epoch": DropoutResumedMidEpoch,
