@@ -22,27 +22,28 @@ def replace_modules(
     module: nn.Module,
     replace: Callable[[nn.Module], nn.Module],
     children_first: bool = False,
-    done: dict[int, nn.Module] | None = None,
+    done: dict[int, tuple[nn.Module, nn.Module]] | None = None,
 ) -> nn.Module:
     """``replace(module)``, with every submodule slot in the tree set to its own replacement.
 
-    Each module is replaced once (``done``: replacements by the replaced module's id), so a module in several
-    slots, of several parents or under two names of one, gets the same replacement in all of them. The slots
-    are read from ``_modules``: ``named_children()`` lists a module once per parent, under its first name.
+    Each module is replaced once, so a module in several slots, of several parents or under two names of one,
+    gets the same replacement in all of them (``done``: by the replaced module's id, that module, kept alive so its
+    id is not reused during the walk, and its replacement). The slots are read from ``_modules``:
+    ``named_children()`` lists a module once per parent, under its first name.
     ``children_first``: replace a module after its children (a reverted layer takes the reverted children),
     not before (a converted layer's children are then walked).
     """
     done = {} if done is None else done
-    key = id(module)
-    if key in done:
-        return done[key]
+    original = module
+    if id(original) in done:
+        return done[id(original)][1]
     if not children_first:
         module = replace(module)
     for name, child in list(module._modules.items()):
         if child is not None:
             setattr(module, name, replace_modules(child, replace, children_first, done))
-    done[key] = replace(module) if children_first else module
-    return done[key]
+    done[id(original)] = (original, replace(module) if children_first else module)
+    return done[id(original)][1]
 
 
 def replacement(module: _BatchNorm, layer_class: type[_BatchNorm], **options: Any) -> _BatchNorm:
