@@ -71,6 +71,18 @@ class _Lane:
         self.running: _Call | None = None
 
 
+def _run(store: dist.Store, operation: str, args: tuple[Any, ...]) -> Any:
+    """One operation on the client; a ``set`` returns once the server holds the value. c10d's client sends a set
+    and reads no answer, so a read on another connection right after it could miss the value (measured: 179 of
+    20,000 immediate reads on 2 loaded cores, a checkpoint then written without a peer's generators). The server
+    answers one connection's requests in order: a ``check`` on this one returns after the set was applied."""
+    if operation != "set":
+        return getattr(store, operation)(*args)
+    store.set(*args)
+    store.check([args[0]])
+    return None
+
+
 def _serve(connect: Callable[[], dist.Store], lane: _Lane) -> None:
     """The worker thread: connects (the first call), then runs the calls in order until ``None``
     arrives (then the client can close)."""
@@ -84,7 +96,7 @@ def _serve(connect: Callable[[], dist.Store], lane: _Lane) -> None:
             if store is None:
                 store = call.result = connect()
             else:
-                call.result = getattr(store, call.operation)(*call.args)
+                call.result = _run(store, call.operation, call.args)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             call.error = error
         with lane.lock:
@@ -95,7 +107,8 @@ def _serve(connect: Callable[[], dist.Store], lane: _Lane) -> None:
 class BoundedStore:
     """The store ``connect()`` returns, made on the worker thread: its ``set``/``get``/``check``/
     ``multi_get``/``compare_set``, each answered or raising :class:`StoreUnanswered` within
-    ``op_timeout_s`` (see the module docstring). Thread-safe. The constructor raises what
+    ``op_timeout_s`` (see the module docstring); ``set`` returns once the server holds the value, so any
+    connection reads it after that. Thread-safe. The constructor raises what
     ``connect`` raises, or :class:`StoreUnanswered` when it does not return within ``connect_timeout_s``
     (``None``: ``op_timeout_s``)."""
 
