@@ -75,8 +75,9 @@ def set_sampler_epoch(dataloader: object, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
-def index_batching(dataloader: object) -> tuple[int, bool] | str:
-    """``(batch_size, drop_last)`` of a loader that can be rebuilt by index, else why not."""
+def index_batching(dataloader: object, *, unbatched: bool = False) -> tuple[int | None, bool] | str:
+    """``(batch_size, drop_last)`` of a loader that can be rebuilt by index, else why not. ``unbatched``: a
+    ``batch_size=None`` loader (each item is a step) gives ``(None, False)`` instead of a reason."""
     if not isinstance(dataloader, DataLoader):
         return f"a {type(dataloader).__name__}, not a torch DataLoader"
     if isinstance(dataloader.dataset, IterableDataset):
@@ -86,12 +87,14 @@ def index_batching(dataloader: object) -> tuple[int, bool] | str:
     if type(dataloader.batch_sampler) is BatchSampler:  # torch's own: its batches are re-made from the sampler
         return dataloader.batch_sampler.batch_size, dataloader.batch_sampler.drop_last
     if dataloader.batch_sampler is None:
+        if unbatched:
+            return None, False
         return "unbatched (batch_size=None: each item is a step)"
     return f"batched by a {type(dataloader.batch_sampler).__name__} of your own"
 
 
 def with_sampler(
-    dataloader: DataLoader, sampler: Any, batching: tuple[int, bool], what: str, fallback: str
+    dataloader: DataLoader, sampler: Any, batching: tuple[int | None, bool], what: str, fallback: str
 ) -> DataLoader:
     """``dataloader`` reading its dataset in ``sampler``'s order, every other setting kept.
 

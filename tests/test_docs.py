@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -159,9 +160,26 @@ def _pinned(constraints: str, package: str) -> str:
     return version
 
 
+def test_constraints_floor_pins_every_floor_pyproject_states():
+    """CI's oldest set is the floors pyproject.toml promises: a raised (or lowered) floor moves the pin with it."""
+    # The [project] dependencies array, read without tomllib (Python 3.11+; pyproject.toml admits 3.10).
+    (block,) = re.findall(r"^dependencies = \[$(.*?)^\]$", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    floors = {}
+    for requirement in re.findall(r'"([^"]+)"', block):
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?>=([0-9.]+)(?:,.*)?", requirement)
+        if match:
+            floors[match[1].lower()] = Version(match[2])
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints-floor.txt").read_text(), re.M)
+    pinned = {name.lower(): Version(version) for name, version in pins}
+    assert "torch" in floors and "lightning" in floors, floors
+    assert pinned == floors
+
+
 def test_readme_names_the_torch_each_constraints_file_pins():
-    """The versions line names both ends CI tests: an upgrade of either constraints file updates the README too."""
+    """The versions line names both ends CI tests (the newest torch, every oldest pin): an upgrade of either
+    constraints file updates the README too."""
     text = " ".join(README.read_text().split())
-    newest, oldest = _pinned("constraints.txt", "torch"), _pinned("constraints-floor.txt", "torch")
+    newest = _pinned("constraints.txt", "torch")
+    oldest = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints-floor.txt").read_text(), re.M)
     assert f"`constraints.txt` pins the set these commands install (torch {newest}, the newest release)" in text
-    assert f"`constraints-floor.txt` the oldest (torch {oldest})" in text
+    assert f"`constraints-floor.txt` the oldest ({', '.join(f'{name} {version}' for name, version in oldest)})" in text

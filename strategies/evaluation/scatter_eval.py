@@ -10,11 +10,11 @@ torch of :mod:`parallel.evaluation.eval_sharding` and :mod:`parallel.evaluation.
   once, and rank 0 scatters the indices (never the samples). Each rank reads its own dataset object
   through a :class:`~parallel.evaluation.eval_sharding.ShardSampler`, with the user's batch size,
   ``collate_fn``, workers, pinning and transforms untouched: a step receives exactly the batch the
-  user's loader would give it. Loaders that cannot be re-sharded by index (an ``IterableDataset``, a
-  sampler of the user's own or none injected (``use_distributed_sampler=False``: the user shards), a
-  custom batch sampler, ``batch_size=None``, an iterable that is no ``DataLoader``) are used as Lightning's ``ddp``
-  uses them, with a warning: the identity sampler injected into them shards as ``ddp``'s (strided, padded); their
-  lengths may differ per rank (see **Runs**).
+  user's loader would give it (a ``batch_size=None`` loader's items are its batches: the items are sharded).
+  Loaders that cannot be re-sharded by index (an ``IterableDataset``, a sampler of the user's own or none
+  injected (``use_distributed_sampler=False``: the user shards), a custom batch sampler, an iterable that is no
+  ``DataLoader``) are used as Lightning's ``ddp`` uses them, with a warning: the identity sampler injected into
+  them shards as ``ddp``'s (strided, padded); their lengths may differ per rank (see **Runs**).
 - **Runs** (``on_validation_start``/``on_test_start`` ... ``on_*_end`` and ``teardown``): one
   :class:`_EvaluationRun` per validation/test/sanity run counts this rank's steps against the
   Trainer's own per-rank batch counts and hands the torchmetrics of the module and of the callbacks
@@ -59,12 +59,13 @@ _FALLBACK = "pass CustomDDPStrategy(scatter_eval=False) to keep Lightning's Dist
 _EVAL_STAGES = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
 
-def _batching(dataloader: object) -> tuple[int, bool] | str:
-    """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not."""
+def _batching(dataloader: object) -> tuple[int | None, bool] | str:
+    """``(batch_size, drop_last)`` of a loader that can be re-sharded by index, else why not; ``batch_size`` is
+    ``None`` for a ``batch_size=None`` loader (its items are the steps' batches: they are sharded as they are)."""
     sampler = getattr(dataloader, "sampler", None)
     if isinstance(sampler, DistributedSampler) and sampler.num_replicas != 1:
         return "sharded by a DistributedSampler of your own"
-    batching = index_batching(dataloader)
+    batching = index_batching(dataloader, unbatched=True)
     if not isinstance(batching, str) and not isinstance(sampler, DistributedSampler):
         # Lightning injects one (the identity) unless told not to
         return f"sampled by a {type(sampler).__name__} of your own (use_distributed_sampler=False)"
@@ -116,11 +117,10 @@ def shard_loader(dataloader: object, trainer: pl.Trainer, *, device: torch.devic
     order = list(dataloader.sampler) if dist.get_rank() == 0 else None  # the identity sampler: the full order
     num_samples = broadcast_count(None if order is None else len(order), device=device)
     limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
-    plan = ShardPlan.decide(
-        num_samples, dist.get_world_size(), batch_size=batching[0], drop_last=batching[1], limit=limit
-    )
+    batch_size, drop_last = batching[0] or 1, batching[1]  # unbatched: one item per step
+    plan = ShardPlan.decide(num_samples, dist.get_world_size(), batch_size=batch_size, drop_last=drop_last, limit=limit)
     if plan.layout != "contiguous":
-        _warn_fallback(plan, batching[0], limit)
+        _warn_fallback(plan, batch_size, limit)
     indices = scatter_shard_indices(None if order is None else plan.shards(order), plan.lengths, device=device)
     return with_sampler(dataloader, ShardSampler(indices), batching, "evaluation loader", _FALLBACK)
 

@@ -237,20 +237,28 @@ class _Batches(Dataset):
         return self.data.features[rows], self.data.labels[rows], rows
 
 
-@pytest.mark.parametrize(
-    "loader",
-    [
-        lambda: DataLoader(IndexedDataset(), batch_sampler=_OwnBatchSampler(SequentialSampler(range(11)), 4, False)),
-        lambda: DataLoader(_Batches(), batch_size=None),
-    ],
-    ids=["own_batch_sampler", "batch_size_none"],
-)
-def test_a_loader_that_cannot_be_scattered_is_sharded_as_under_ddp(loader) -> None:
+def test_a_loader_that_cannot_be_scattered_is_sharded_as_under_ddp() -> None:
     # Before, the identity sampler injected for scatter evaluation stayed: every rank evaluated the whole set.
     results = {}
     for name, strategy in (("ddp", ddp_strategy), ("custom_ddp", custom_strategy)):
         module = EvalModule()
-        module.val_dataloader = loader
+        module.val_dataloader = lambda: DataLoader(
+            IndexedDataset(), batch_sampler=_OwnBatchSampler(SequentialSampler(range(11)), 4, False)
+        )
         results[name] = make_trainer(strategy()).validate(module, verbose=False)[0]
     assert results["custom_ddp"] == results["ddp"]
     assert results["custom_ddp"]["val/count"] < 2 * NUM_SAMPLES
+
+
+def test_a_batch_size_none_loader_is_scattered_by_item(tmp_path) -> None:
+    # 3 items (batches of 4, 4, 3 samples) on 2 ranks: items 0-1 on rank 0, item 2 on rank 1. ddp's
+    # DistributedSampler pads the items to 4: the first batch counts twice (before, custom_ddp did the same).
+    module = EvalModule(tmp_path)
+    module.val_dataloader = lambda: DataLoader(_Batches(), batch_size=None)
+    actual = make_trainer(custom_strategy()).validate(module, verbose=False)[0]
+    seen = [json.loads((tmp_path / f"val_seen_rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [list(range(8)), list(range(8, NUM_SAMPLES))]
+    module.out_dir = None
+    _assert_metrics_equal(actual, _single_process("val", module), "val")
+    module.val_dataloader = lambda: DataLoader(_Batches(), batch_size=None)
+    assert make_trainer(ddp_strategy()).validate(module, verbose=False)[0]["val/count"] == NUM_SAMPLES + 4
