@@ -154,9 +154,14 @@ def test_every_generated_block_is_in_its_generators_page_once():
         assert text.index(begin) < text.index(end)
 
 
+def _pins(constraints: str) -> list[tuple[str, str]]:
+    """``(package, version)`` of each ``package==version`` line of ``constraints`` (a file at the repository's root)."""
+    return re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / constraints).read_text(), flags=re.MULTILINE)
+
+
 def _pinned(constraints: str, package: str) -> str:
-    """The version ``constraints`` (a file at the repository's root) pins ``package`` to."""
-    (version,) = re.findall(rf"^{package}==(\S+)$", (ROOT / constraints).read_text(), flags=re.MULTILINE)
+    """The version ``constraints`` pins ``package`` to."""
+    (version,) = [version for name, version in _pins(constraints) if name == package]
     return version
 
 
@@ -169,8 +174,7 @@ def test_constraints_floor_pins_every_floor_pyproject_states():
         match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?>=([0-9.]+)(?:,.*)?", requirement)
         if match:
             floors[match[1].lower()] = Version(match[2])
-    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints-floor.txt").read_text(), re.M)
-    pinned = {name.lower(): Version(version) for name, version in pins}
+    pinned = {name.lower(): Version(version) for name, version in _pins("constraints-floor.txt")}
     assert "torch" in floors and "lightning" in floors, floors
     assert pinned == floors
 
@@ -180,6 +184,6 @@ def test_readme_names_the_torch_each_constraints_file_pins():
     constraints file updates the README too."""
     text = " ".join(README.read_text().split())
     newest = _pinned("constraints.txt", "torch")
-    oldest = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints-floor.txt").read_text(), re.M)
+    oldest = _pins("constraints-floor.txt")
     assert f"`constraints.txt` pins the set these commands install (torch {newest}, the newest release)" in text
     assert f"`constraints-floor.txt` the oldest ({', '.join(f'{name} {version}' for name, version in oldest)})" in text
