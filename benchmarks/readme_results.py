@@ -7,7 +7,7 @@ and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's h
 ``<!-- headline:begin -->`` and ``<!-- headline:end -->``: the ``HEADLINE_WHAT`` rows of the
 ``HEADLINE_RECORDS`` (custom_ddp, with local BN and with its SyncBatchNorm, against Lightning's ddp tuned in
 Lightning fits on CPU; on one GPU against ddp, and its SyncBatchNorm against torch's), one per machine and cell,
-the one with the most samples where a cell was measured twice::
+the one with the most samples where a cell was measured twice, a cell's accumulation settings side by side::
 
     python -m benchmarks.readme_results --write   # after committing new results: both blocks
     python -m benchmarks.readme_results           # exit 1 if either differs (the tests check them too)
@@ -19,13 +19,14 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import results_folder
 from benchmarks.readme_block import replace_block
-from benchmarks.report import fmt_value, headline_table, machine
+from benchmarks.report import foreign_shown, headline_table, machine
 from measure.stats import INTERVALS
 
 __all__ = ["render_block", "render_headline", "update_headline", "update_readme"]
@@ -43,6 +44,7 @@ HEADLINE_WHAT = {
     "SyncBN / torch_syncbn (torch), 1 ranks": "one GPU, SyncBN / torch's SyncBatchNorm Function",
     "SyncBN peak memory / torch_syncbn, 1 ranks": "one GPU, SyncBN peak memory / torch's",
 }
+_SETTING = re.compile(r", accumulate \d+$")  # a cell's accumulation setting, joined with its others in one row
 # Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
 _STEP_DRAWN = (
     " **Intervals too narrow:** written before intervals drew whole runs (they drew single steps, "
@@ -77,7 +79,7 @@ def _section(name: str, record: dict[str, Any], page: Path = PAGE) -> list[str]:
     benchmark, module = record.get("benchmark", name), _module(name, record)
     titled = getattr(module, "title", lambda _: getattr(module, "TITLE", benchmark))  # a title by record, if any
     title = titled(record) + ("" if name == results_folder(benchmark) else f" ({name})")
-    quiet, share = record["quietness"], fmt_value(record["quietness"].get("foreign_share"), "%")
+    quiet, share = record["quietness"], foreign_shown(record["quietness"])
     status = "comparable" if quiet["comparable"] else "**NOT comparable (busy machine)**"
     rows = _rows(module, record)
     return [
@@ -116,24 +118,54 @@ def _samples(value: Any) -> int:
     return min((v.get("n", 0) if isinstance(v, dict) else 0) for v in values)
 
 
-def render_headline(results: Path = RESULTS, page: Path = README) -> str:
-    """README's headline block: the ``HEADLINE_WHAT`` rows of the ``HEADLINE_RECORDS``, one per machine and cell
-    (the one with the most samples), each naming its machine and linking its record's report from ``page``."""
-    cells: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+def _best_cells(results: Path) -> dict[tuple[str, str], tuple[int, dict[str, Any], str]]:
+    """``(machine, cell) -> (samples, row, record name)`` of the ``HEADLINE_WHAT`` rows of the
+    ``HEADLINE_RECORDS``, the row with the most samples where a cell was measured twice on one machine."""
+    cells: dict[tuple[str, str], tuple[int, dict[str, Any], str]] = {}
     for name, record in _records(results):
         if not name.startswith(HEADLINE_RECORDS):
             continue
-        where, torch_version = machine(record["environment"]), record["environment"]["versions"]["torch"]
         for row in _rows(_module(name, record), record):
             prefix = next((p for p in HEADLINE_WHAT if row["what"].startswith(p)), None)
-            if prefix is not None:
-                cell = HEADLINE_WHAT[prefix] + row["what"].removeprefix(prefix)
-                what = f"{cell}; {where}, torch {torch_version}, [{name}]({_report(name, page)})"
-                key, samples = (where, row["what"]), _samples(row["value"])
-                if key not in cells or samples > cells[key][0]:
-                    cells[key] = (samples, {**row, "what": what})
-    machines = list(dict.fromkeys(where for where, _ in cells))  # in the records' order
-    rows = [cells[key][1] for key in sorted(cells, key=lambda key: (machines.index(key[0]), key[1]))]
+            if prefix is None:
+                continue
+            key = (machine(record["environment"]), HEADLINE_WHAT[prefix] + row["what"].removeprefix(prefix))
+            torch_version = record["environment"]["versions"]["torch"]
+            if key not in cells or _samples(row["value"]) > cells[key][0]:
+                cells[key] = (_samples(row["value"]), {**row, "torch": torch_version}, name)
+    return cells
+
+
+def _joined_settings(where: str, label: str, cells: list[tuple[str, dict[str, Any], str]], page: Path) -> dict:
+    """One headline row of a machine's cells that differ only in their accumulation setting (``cells``:
+    ``(setting, row, record name)``, in order): values, verdicts and records side by side."""
+    rows = [row for _, row, _ in cells]
+    versions = " / ".join(dict.fromkeys(row["torch"] for row in rows))
+    links = ", ".join(f"[{name}]({_report(name, page)})" for name in dict.fromkeys(name for *_, name in cells))
+    settings = " / ".join(setting for setting, *_ in cells)
+    what = f"{label}{f', accumulate {settings}' if settings else ''}; {where}, torch {versions}, {links}"
+    if len(rows) == 1:
+        return {**rows[0], "what": what}
+    joined = {"what": what, "value": [row["value"] for row in rows], "unit": rows[0].get("unit", "")}
+    if "target" in rows[0]:  # grouped by target: every cell of the row has the same
+        joined |= {"target": rows[0]["target"], "verdict": [row["verdict"] for row in rows]}
+    return joined
+
+
+def render_headline(results: Path = RESULTS, page: Path = README) -> str:
+    """README's headline block: the ``HEADLINE_WHAT`` rows of the ``HEADLINE_RECORDS``, one per machine and cell
+    (the one with the most samples), a machine's accumulation settings of one cell side by side in one row, each
+    naming its machine and linking its records' reports from ``page``."""
+    groups: dict[tuple[str, str, str | None], list[tuple[str, dict[str, Any], str]]] = {}
+    for (where, cell), (_, row, name) in _best_cells(results).items():
+        label, _, setting = cell.rpartition(", accumulate ") if _SETTING.search(cell) else (cell, "", "")
+        groups.setdefault((where, label, row.get("target")), []).append((setting, row, name))
+    machines = list(dict.fromkeys(where for where, *_ in groups))  # in the records' order
+    ordered = sorted(groups, key=lambda key: (machines.index(key[0]), key[1]))
+    rows = [
+        _joined_settings(where, label, sorted(groups[where, label, target], key=lambda c: int(c[0] or 0)), page)
+        for where, label, target in ordered
+    ]
     benchmarks = Path(os.path.relpath(PAGE, page.parent)).as_posix()
     return "\n".join(
         [

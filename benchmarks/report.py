@@ -27,6 +27,7 @@ __all__ = [
     "Panel",
     "fmt_bytes",
     "fmt_value",
+    "foreign_shown",
     "headline_row",
     "headline_table",
     "machine",
@@ -82,10 +83,16 @@ def headline_row(
     return row
 
 
+def _verdict_shown(verdict: str | list[str]) -> str:
+    """A verdict as a headline shows it; one per setting side by side, each in a word."""
+    if isinstance(verdict, list):
+        return " / ".join("**missed**" if v == "missed" else v for v in verdict)
+    return {"met": "met", "missed": "**missed**", "undecided": "undecided (the CI spans it)"}[verdict]
+
+
 def headline_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The headline rows as a Markdown table: what, value [95 % CI], verdict against the target."""
-    shown = {"met": "met", "missed": "**missed**", "undecided": "undecided (the CI spans it)"}
-    verdicts = [f"{shown[r['verdict']]}, target {r['target']}" if r.get("verdict") else "–" for r in rows]
+    verdicts = [f"{_verdict_shown(r['verdict'])}, target {r['target']}" if r.get("verdict") else "–" for r in rows]
     cells = [[r["what"], fmt_value(r["value"], r.get("unit", "")), v] for r, v in zip(rows, verdicts, strict=True)]
     return table("what | value [95 % CI] | verdict", cells)
 
@@ -98,11 +105,18 @@ def machine(env: dict[str, Any]) -> str:
     return f"{env['cpu']}{cpu_id} ({env['cpu_count']} cores){gpus}"
 
 
+def foreign_shown(quiet: dict[str, Any]) -> str:
+    """The share of the machine others used during a run, with the hypervisor's part (steal) where it was kept."""
+    steal = quiet.get("steal_share")
+    stolen = f" (the hypervisor's steal: {fmt_value(steal, '%')})" if steal else ""
+    return fmt_value(quiet.get("foreign_share"), "%") + stolen
+
+
 def report(record: dict[str, Any], title: str, body: Sequence[str]) -> list[str]:
     """A benchmark's ``results.md``: title, the not-comparable warning if any, command, machine, the
     headline table, ``body``, then the method: the benchmark module's docstring, the one place it is told."""
     env, quiet = record["environment"], record["quietness"]
-    share, limit = (fmt_value(quiet[k], "%") for k in ("foreign_share", "max_foreign_share"))
+    share, limit = foreign_shown(quiet), fmt_value(quiet["max_foreign_share"], "%")
     warning = [
         f"**NOT COMPARABLE: the machine was busy (1-min load {quiet['load_before']:.2f} before the run, "
         f"threshold {quiet['threshold']:.2f}; other processes used {share} of the machine during it, limit "

@@ -121,15 +121,18 @@ def to_jsonable(value: Any) -> Any:
 _PR_SET_CHILD_SUBREAPER = 36  # prctl option (linux/prctl.h)
 
 
-def _busy_cpu_seconds() -> float | None:
-    """CPU seconds the whole machine spent busy since boot (``/proc/stat``), or ``None`` off Linux."""
+def _machine_cpu_seconds() -> tuple[float, float] | None:
+    """``(busy, stolen)``: CPU seconds the whole machine spent busy since boot, and of those the ones a
+    hypervisor gave to other guests while this one's CPUs wanted to run (``/proc/stat``); ``None`` off Linux."""
     try:
         with open("/proc/stat") as stat:
             fields = [int(v) for v in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    steal = fields[7] if len(fields) > 7 else 0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / tick, steal / tick
 
 
 def _own_cpu_seconds() -> float:
@@ -163,8 +166,9 @@ class Quietness:
     """How busy the machine was around a measurement, and whether the result is comparable.
 
     The 1-minute load before the run must be at most ``threshold``; during the run, other
-    processes (busy CPU time of the machine minus this process tree's own) may use at most
-    ``max_foreign_share`` of the machine. The load after the run is recorded but not judged:
+    processes (busy CPU time of the machine minus this process tree's own, a hypervisor's steal included:
+    time its CPUs wanted to run and were given to other guests, kept apart as ``steal_share``) may use at
+    most ``max_foreign_share`` of the machine. The load after the run is recorded but not judged:
     the benchmark's own processes raise it.
     """
 
@@ -174,7 +178,8 @@ class Quietness:
     max_foreign_share: float = 0.10
     load_after: float | None = None
     foreign_share: float | None = None
-    _start: tuple[float, float | None, float] | None = None
+    steal_share: float | None = None  # the part of foreign_share a hypervisor took (other guests of its host)
+    _start: tuple[float, tuple[float, float] | None, float] | None = None
 
     @property
     def comparable(self) -> bool:
@@ -184,17 +189,20 @@ class Quietness:
     def begin(self) -> Quietness:
         """Start accounting the CPU time of other processes; returns self."""
         _adopt_orphans()
-        self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
+        self._start = (time.monotonic(), _machine_cpu_seconds(), _own_cpu_seconds())
         return self
 
     def finish(self) -> Quietness:
-        """Record the load after the run and the share of the machine other processes used."""
+        """Record the load after the run, the share of the machine other processes used and the part of it
+        the hypervisor took (steal)."""
         self.load_after = os.getloadavg()[0]
         _reap_orphans()
-        if self._start is not None and self._start[1] is not None:
-            wall, busy, own = time.monotonic() - self._start[0], _busy_cpu_seconds(), _own_cpu_seconds()
-            foreign = (busy or 0.0) - self._start[1] - (own - self._start[2])
-            self.foreign_share = max(0.0, foreign) / (wall * (os.cpu_count() or 1))
+        machine_now = _machine_cpu_seconds()
+        if self._start is not None and self._start[1] is not None and machine_now is not None:
+            start, (busy, stolen), own = self._start
+            capacity = (time.monotonic() - start) * (os.cpu_count() or 1)  # CPU seconds the machine had
+            self.foreign_share = max(0.0, machine_now[0] - busy - (_own_cpu_seconds() - own)) / capacity
+            self.steal_share = max(0.0, machine_now[1] - stolen) / capacity
         return self
 
     def as_dict(self) -> dict[str, Any]:
@@ -205,6 +213,7 @@ class Quietness:
             "load_after": self.load_after,
             "foreign_share": self.foreign_share,
             "max_foreign_share": self.max_foreign_share,
+            "steal_share": self.steal_share,
             "comparable": self.comparable,
         }
 

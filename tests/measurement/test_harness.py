@@ -7,13 +7,14 @@ import os
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from benchmarks.harness import SCHEMA, Quietness, interleave, make_record, parse, parser, verdict
 from benchmarks.report import fmt_value, headline_row, report, table, write_record
-from measure import stats
+from measure import run_info, stats
 from measure.run_info import environment
 from measure.stats import difference_ci, in_runs, median_ci, pair_ratio_ci, paired_ratio_ci, ratio_ci, share_ci
 
@@ -160,6 +161,8 @@ def test_busy_machine_is_marked_not_comparable(tmp_path):
     assert saved["value"] is None and saved["quietness"]["comparable"] is False
     assert saved["schema"] == SCHEMA and "cpu" in saved["environment"]
     assert "| a |" in (tmp_path / "results.md").read_text()
+    stolen = Quietness(threshold=0.5, waited_s=0.0, load_before=0.2, foreign_share=0.13, steal_share=0.12)
+    assert "13.0 % (the hypervisor's steal: 12.0 %) of the machine" in report(make_record("d", {}, stolen), "D", [])[2]
 
 
 def test_foreign_cpu_time_is_accounted():
@@ -171,6 +174,20 @@ def test_foreign_cpu_time_is_accounted():
     quiet.finish()
     assert quiet.foreign_share is not None and 0.0 <= quiet.foreign_share <= 1.0
     assert quiet.load_after is not None
+
+
+def test_hypervisor_steal_is_kept_apart_as_part_of_the_foreign_share(monkeypatch):
+    """On a virtual machine the CPU time its host gave other guests is foreign too, and named apart: 16 busy
+    CPU seconds of the machine's 20 in 10 s on 2 CPUs, 10 of them ours, 4 stolen."""
+    machine = iter([(50.0, 5.0), (66.0, 9.0)])  # (busy, stolen) CPU seconds since boot, at begin and finish
+    own, clock = iter([10.0, 20.0]), iter([100.0, 110.0])
+    monkeypatch.setattr(run_info, "_machine_cpu_seconds", lambda: next(machine))
+    monkeypatch.setattr(run_info, "_own_cpu_seconds", lambda: next(own))
+    monkeypatch.setattr(run_info, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(run_info.os, "cpu_count", lambda: 2)
+    quiet = Quietness(threshold=100.0, waited_s=0.0, load_before=0.0).begin().finish()
+    assert quiet.foreign_share == pytest.approx(0.3) and quiet.steal_share == pytest.approx(0.2)
+    assert not quiet.comparable and quiet.as_dict()["steal_share"] == pytest.approx(0.2)
 
 
 def test_difference_ci_of_a_known_shift():

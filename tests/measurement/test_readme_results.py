@@ -27,6 +27,7 @@ from benchmarks.readme_results import (
     update_headline,
     update_readme,
 )
+from benchmarks.report import headline_table
 
 
 def test_readme_numbers_match_the_committed_results():
@@ -40,7 +41,8 @@ def test_readme_headline_matches_the_committed_results():
 
 
 def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(tmp_path):
-    """A cell measured twice on one machine shows the run with more pairs; other machines, rows and records stay
+    """A cell measured twice on one machine shows the run with more pairs; a machine's accumulation settings of
+    one cell share a row, in order, linking each record they come from; other machines, rows and records stay
     out or apart; report links are relative to the page."""
 
     def record(name: str, cpu_id: str, rows: list[dict]) -> None:
@@ -71,13 +73,23 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
     block = render_headline(tmp_path, README)
     assert block.startswith(HEADLINE_BEGIN) and block.endswith(HEADLINE_END)
     rows = [line for line in block.splitlines() if line.startswith("| ") and "net, accumulate" in line]
-    assert len(rows) == 4 and all(r.startswith("| local BN: ") for r in rows), block
+    assert len(rows) == 3 and all(r.startswith("| local BN: ") for r in rows), block
     assert "0.977 [0.877, 1.08]" in block and "1.00 [0.904, 1.10]" not in block  # 120 pairs win over 40
-    assert "(2 cores), torch 2.15.0, [paired_fits_new]" in block  # each row names its record's torch
-    assert "0.980 [0.880, 1.08]" in block and "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
+    joined = next(r for r in rows if "accumulate 1 / 2" in r)  # machine A's template net: two records, one row
+    assert "| 0.980 [0.880, 1.08] / 0.977 [0.877, 1.08] |" in joined
+    assert "torch 2.15.0 / 2.15.0" not in joined and "torch 2.15.0, [paired_fits_old]" in joined
+    assert "[paired_fits_old](benchmarks/results/paired_fits_old/results.md), [paired_fits_new](" in joined
+    assert "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
     assert "unrelated" not in block and "something else" not in block
-    assert "[paired_fits_new](benchmarks/results/paired_fits_new/results.md)" in block
     assert "[Benchmarks](docs/benchmarks.md#results)" in block
+
+
+def test_headline_shows_the_verdict_of_each_setting_side_by_side():
+    """A row joining accumulation settings gives one verdict per setting under the one target."""
+    rows = [{"what": "w", "value": [1.0, 2.0], "target": "<= 1.1", "verdict": ["met", "missed"]}]
+    assert headline_table(rows)[-1] == "| w | 1.00 / 2.00 | met / **missed**, target <= 1.1 |"
+    single = [{"what": "w", "value": 1.2, "target": "<= 1.1", "verdict": "undecided"}]
+    assert headline_table(single)[-1].endswith("| undecided (the CI spans it), target <= 1.1 |")
 
 
 def test_block_renders_headline_rows_and_quietness(tmp_path):
