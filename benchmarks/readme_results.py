@@ -119,12 +119,12 @@ def _samples(value: Any) -> int:
 
 
 def _best_cells(results: Path) -> dict[tuple[str, str], tuple[int, dict[str, Any], str]]:
-    """``(machine, cell) -> (samples, row, record name)`` of the ``HEADLINE_WHAT`` rows of the
+    """``(machine, cell) -> (samples, row, record name)`` of the ``HEADLINE_WHAT`` rows of the comparable
     ``HEADLINE_RECORDS``, the row with the most samples where a cell was measured twice on one machine."""
     cells: dict[tuple[str, str], tuple[int, dict[str, Any], str]] = {}
     for name, record in _records(results):
-        if not name.startswith(HEADLINE_RECORDS):
-            continue
+        if not name.startswith(HEADLINE_RECORDS) or not record["quietness"]["comparable"]:
+            continue  # a busy machine's numbers are not quoted as ratios (its report says so)
         for row in _rows(_module(name, record), record):
             prefix = next((p for p in HEADLINE_WHAT if row["what"].startswith(p)), None)
             if prefix is None:

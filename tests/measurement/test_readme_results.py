@@ -43,12 +43,12 @@ def test_readme_headline_matches_the_committed_results():
 def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(tmp_path):
     """A cell measured twice on one machine shows the run with more pairs; a machine's accumulation settings of
     one cell share a row, in order, linking each record they come from; other machines, rows and records stay
-    out or apart; report links are relative to the page."""
+    out or apart, and so does a record not comparable (a busy machine); report links are relative to the page."""
 
-    def record(name: str, cpu_id: str, rows: list[dict]) -> None:
+    def record(name: str, cpu_id: str, rows: list[dict], comparable: bool = True) -> None:
         (tmp_path / name).mkdir()
         env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": f"2.{len(name)}.0"}}
-        quiet = {"comparable": True, "load_before": 0.5, "foreign_share": 0.0}
+        quiet = {"comparable": comparable, "load_before": 0.5, "foreign_share": 0.0}
         (tmp_path / name / "results.json").write_text(
             json.dumps({"headline": rows, "environment": env, "quietness": quiet})
         )
@@ -67,6 +67,7 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
     record("paired_fits_new", "A", [row("template net, accumulate 2", 0.977, 120)])
     record("paired_fits_other_machine", "B", [row("template net, accumulate 2", 0.911, 20)])
     record("unrelated", "A", [row("template net, accumulate 4", 0.5, 500)])
+    record("paired_fits_busy", "A", [row("template net, accumulate 2", 0.7, 500)], comparable=False)  # never quoted
     record(
         "compare_localbn", "A", [{"what": "something else", "value": 2.0}, row("resnet18 net, accumulate 1", 0.9, 64)]
     )
@@ -80,7 +81,7 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
     assert "torch 2.15.0 / 2.15.0" not in joined and "torch 2.15.0, [paired_fits_old]" in joined
     assert "[paired_fits_old](benchmarks/results/paired_fits_old/results.md), [paired_fits_new](" in joined
     assert "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
-    assert "unrelated" not in block and "something else" not in block
+    assert "unrelated" not in block and "something else" not in block and "paired_fits_busy" not in block
     assert "[Benchmarks](docs/benchmarks.md#results)" in block
 
 
