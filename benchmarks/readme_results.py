@@ -7,7 +7,8 @@ and ``<!-- results:end -->`` of ``docs/benchmarks.md`` (``PAGE``). README.md's h
 ``<!-- headline:begin -->`` and ``<!-- headline:end -->``: the ``HEADLINE_WHAT`` rows of the
 ``HEADLINE_RECORDS`` (custom_ddp, with local BN and with its SyncBatchNorm, against Lightning's ddp tuned in
 Lightning fits on CPU; on one GPU against ddp, and its SyncBatchNorm against torch's), one per machine and cell,
-the one with the most samples where a cell was measured twice, a cell's accumulation settings side by side::
+the one with the most samples where a cell was measured twice, paired fits rather than fits in fresh processes
+where both measured it, a cell's accumulation settings side by side::
 
     python -m benchmarks.readme_results --write   # after committing new results: both blocks
     python -m benchmarks.readme_results           # exit 1 if either differs (the tests check them too)
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fits.paired_fits import MEASURE as PAIRED
 from benchmarks.harness import results_folder
 from benchmarks.readme_block import replace_block
 from benchmarks.report import foreign_shown, headline_table, machine
@@ -45,6 +47,7 @@ HEADLINE_WHAT = {
     "SyncBN peak memory / torch_syncbn, 1 ranks": "one GPU, SyncBN peak memory / torch's",
 }
 _SETTING = re.compile(r", accumulate \d+$")  # a cell's accumulation setting, joined with its others in one row
+_SETTINGS = re.compile(r", accumulate \d+( / \d+)*$")  # one setting, or a record's own row of several
 # Records whose raw samples were not kept cannot be re-derived (python -m benchmarks.rederive) until re-run.
 _STEP_DRAWN = (
     " **Intervals too narrow:** written before intervals drew whole runs (they drew single steps, "
@@ -152,6 +155,15 @@ def _joined_settings(where: str, label: str, cells: list[tuple[str, dict[str, An
     return joined
 
 
+def _paired_too(where: str, label: str, labels: set[tuple[str, str]]) -> bool:
+    """Whether paired fits measured ``label``'s cell on machine ``where`` as well: fresh-process fits of a
+    cell leave the headline then, since paired fits decide where a host's drift leaves fresh processes
+    undecided (both stay in docs/benchmarks.md)."""
+    cell = _SETTINGS.sub("", label)
+    short = next((s for s in HEADLINE_WHAT.values() if cell.startswith(s)), "")
+    return PAIRED not in cell and (where, short + PAIRED + cell.removeprefix(short)) in labels
+
+
 def render_headline(results: Path = RESULTS, page: Path = README) -> str:
     """README's headline block: the ``HEADLINE_WHAT`` rows of the ``HEADLINE_RECORDS``, one per machine and cell
     (the one with the most samples), a machine's accumulation settings of one cell side by side in one row, each
@@ -161,7 +173,9 @@ def render_headline(results: Path = RESULTS, page: Path = README) -> str:
         label, _, setting = cell.rpartition(", accumulate ") if _SETTING.search(cell) else (cell, "", "")
         groups.setdefault((where, label, row.get("target")), []).append((setting, row, name))
     machines = list(dict.fromkeys(where for where, *_ in groups))  # in the records' order
-    ordered = sorted(groups, key=lambda key: (machines.index(key[0]), key[1]))
+    labels = {(where, _SETTINGS.sub("", label)) for where, label, _ in groups}
+    shown = [key for key in groups if not _paired_too(*key[:2], labels)]
+    ordered = sorted(shown, key=lambda key: (machines.index(key[0]), key[1]))
     rows = [
         _joined_settings(where, label, sorted(groups[where, label, target], key=lambda c: int(c[0] or 0)), page)
         for where, label, target in ordered

@@ -84,6 +84,7 @@ TARGETS = {
     ("custom_ddp_localbn", "ddp_tuned"): dict.fromkeys(NETS, (1.00, 1.03)),
     ("custom_ddp", "ddp_tuned"): {"template": (1.05, 1.10), "resnet18": (1.10, 1.15)},
 }
+MEASURE = "paired fits (geometric mean of the pairs' ratios), "  # how a headline row names what it measured
 SYNCBN_SHARE = (("custom_ddp_localbn", "custom_ddp"), 0.10)  # the ratio it is 1 - of, its target (whole CI)
 _TIMING_FILE = "timing.json"
 
@@ -200,8 +201,7 @@ def headline(record: dict[str, Any]) -> list[dict[str, Any]]:
         for acc, row in by_acc.items():
             for key, estimate in row["per_pair"].items():
                 a, b = key.split("/")
-                what = f"{VARIANTS[a].label} / {VARIANTS[b].label}: step time, paired fits (geometric mean of the "
-                what += f"pairs' ratios), {net} net, accumulate {acc}"
+                what = f"{VARIANTS[a].label} / {VARIANTS[b].label}: step time, {MEASURE}{net} net, accumulate {acc}"
                 rows.append({"what": what, "value": estimate, "unit": "x", **_judged((a, b), net, estimate)})
             share = row["per_pair"].get("/".join(SYNCBN_SHARE[0]))
             rows += [_share_row(share, net, acc)] if share else []

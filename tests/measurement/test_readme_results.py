@@ -14,6 +14,7 @@ import pytest
 from record_compare import record_differences
 
 from benchmarks import rederive
+from benchmarks.fits.paired_fits import MEASURE as PAIRED
 from benchmarks.harness import RESULTS
 from benchmarks.readme_results import (
     BEGIN,
@@ -83,6 +84,35 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
     assert "0.911 [0.811, 1.01]" in block and "0.900 [0.800, 1.00]" in block
     assert "unrelated" not in block and "something else" not in block and "paired_fits_busy" not in block
     assert "[Benchmarks](docs/benchmarks.md#results)" in block
+
+
+def test_headline_prefers_paired_fits_to_fresh_processes_on_one_machine(tmp_path):
+    """Where paired fits and fits in fresh processes measured one cell on one machine, the headline shows the
+    paired fits (the other stays in docs/benchmarks.md); a cell only fresh processes measured stays."""
+    what = next(iter(HEADLINE_WHAT))
+    for name, cpu_id, cells in (
+        ("compare_localbn", "A", {"template net, accumulate 1 / 2": 0.5, "resnet18 net, accumulate 1 / 2": 0.6}),
+        ("compare_localbn_b", "B", {"template net, accumulate 1 / 2": 0.7}),
+        (
+            "paired_fits_a",
+            "A",
+            {f"{PAIRED}template net, accumulate 1": 0.98, f"{PAIRED}template net, accumulate 2": 0.99},
+        ),
+    ):
+        (tmp_path / name).mkdir()
+        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": "2.15.0"}}
+        rows = [
+            {"what": what + cell, "value": {"value": v, "low": v - 0.1, "high": v + 0.1, "n": 8}}
+            for cell, v in cells.items()
+        ]
+        quiet = {"comparable": True, "load_before": 0.5, "foreign_share": 0.0}
+        (tmp_path / name / "results.json").write_text(
+            json.dumps({"headline": rows, "environment": env, "quietness": quiet})
+        )
+    block = render_headline(tmp_path, README)
+    assert "0.500 [" not in block, block  # machine A's template net: paired fits measured it too
+    assert "0.980 [0.880, 1.08] / 0.990 [0.890, 1.09]" in block  # ...and they are shown
+    assert "0.600 [" in block and "0.700 [" in block  # A's ResNet-18 and B's template net: only fresh processes
 
 
 def test_headline_shows_the_verdict_of_each_setting_side_by_side():
