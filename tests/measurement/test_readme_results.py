@@ -41,36 +41,46 @@ def test_readme_headline_matches_the_committed_results():
     assert current == fresh, "README.md's headline is stale: run python -m benchmarks.readme_results --write"
 
 
+def _headline_record(folder: Path, name: str, cpu_id: str, rows: list[dict], comparable: bool = True) -> None:
+    """A minimal record under ``folder/name`` (its torch version differs with the name's length)."""
+    (folder / name).mkdir()
+    env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": f"2.{len(name)}.0"}}
+    quiet = {"comparable": comparable, "load_before": 0.5, "foreign_share": 0.0}
+    (folder / name / "results.json").write_text(json.dumps({"headline": rows, "environment": env, "quietness": quiet}))
+
+
+def _headline_row(cell: str, value: float, n: int) -> dict:
+    """A local-BN headline row of ``cell``, its interval +-0.1 over ``n`` samples."""
+    return {
+        "what": next(iter(HEADLINE_WHAT)) + cell,
+        "value": {"value": value, "low": value - 0.1, "high": value + 0.1, "n": n},
+    }
+
+
 def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(tmp_path):
     """A cell measured twice on one machine shows the run with more pairs; a machine's accumulation settings of
     one cell share a row, in order, linking each record they come from; other machines, rows and records stay
     out or apart, and so does a record not comparable (a busy machine); report links are relative to the page."""
 
-    def record(name: str, cpu_id: str, rows: list[dict], comparable: bool = True) -> None:
-        (tmp_path / name).mkdir()
-        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": f"2.{len(name)}.0"}}
-        quiet = {"comparable": comparable, "load_before": 0.5, "foreign_share": 0.0}
-        (tmp_path / name / "results.json").write_text(
-            json.dumps({"headline": rows, "environment": env, "quietness": quiet})
-        )
-
-    def row(cell: str, value: float, n: int) -> dict:
-        return {
-            "what": next(iter(HEADLINE_WHAT)) + cell,
-            "value": {"value": value, "low": value - 0.1, "high": value + 0.1, "n": n},
-        }
-
-    record(
+    _headline_record(
+        tmp_path,
         "paired_fits_old",
         "A",
-        [row("template net, accumulate 2", 1.004, 40), row("template net, accumulate 1", 0.98, 40)],
+        [_headline_row("template net, accumulate 2", 1.004, 40), _headline_row("template net, accumulate 1", 0.98, 40)],
     )
-    record("paired_fits_new", "A", [row("template net, accumulate 2", 0.977, 120)])
-    record("paired_fits_other_machine", "B", [row("template net, accumulate 2", 0.911, 20)])
-    record("unrelated", "A", [row("template net, accumulate 4", 0.5, 500)])
-    record("paired_fits_busy", "A", [row("template net, accumulate 2", 0.7, 500)], comparable=False)  # never quoted
-    record(
-        "compare_localbn", "A", [{"what": "something else", "value": 2.0}, row("resnet18 net, accumulate 1", 0.9, 64)]
+    _headline_record(tmp_path, "paired_fits_new", "A", [_headline_row("template net, accumulate 2", 0.977, 120)])
+    _headline_record(
+        tmp_path, "paired_fits_other_machine", "B", [_headline_row("template net, accumulate 2", 0.911, 20)]
+    )
+    _headline_record(tmp_path, "unrelated", "A", [_headline_row("template net, accumulate 4", 0.5, 500)])
+    _headline_record(
+        tmp_path, "paired_fits_busy", "A", [_headline_row("template net, accumulate 2", 0.7, 500)], comparable=False
+    )  # never quoted
+    _headline_record(
+        tmp_path,
+        "compare_localbn",
+        "A",
+        [{"what": "something else", "value": 2.0}, _headline_row("resnet18 net, accumulate 1", 0.9, 64)],
     )
     block = render_headline(tmp_path, README)
     assert block.startswith(HEADLINE_BEGIN) and block.endswith(HEADLINE_END)
@@ -89,7 +99,6 @@ def test_headline_keeps_one_row_per_machine_and_cell_the_one_with_most_samples(t
 def test_headline_prefers_paired_fits_to_fresh_processes_on_one_machine(tmp_path):
     """Where paired fits and fits in fresh processes measured one cell on one machine, the headline shows the
     paired fits (the other stays in docs/benchmarks.md); a cell only fresh processes measured stays."""
-    what = next(iter(HEADLINE_WHAT))
     for name, cpu_id, cells in (
         ("compare_localbn", "A", {"template net, accumulate 1 / 2": 0.5, "resnet18 net, accumulate 1 / 2": 0.6}),
         ("compare_localbn_b", "B", {"template net, accumulate 1 / 2": 0.7}),
@@ -99,16 +108,7 @@ def test_headline_prefers_paired_fits_to_fresh_processes_on_one_machine(tmp_path
             {f"{PAIRED}template net, accumulate 1": 0.98, f"{PAIRED}template net, accumulate 2": 0.99},
         ),
     ):
-        (tmp_path / name).mkdir()
-        env = {"cpu": "Demo CPU", "cpu_id": cpu_id, "cpu_count": 2, "versions": {"torch": "2.15.0"}}
-        rows = [
-            {"what": what + cell, "value": {"value": v, "low": v - 0.1, "high": v + 0.1, "n": 8}}
-            for cell, v in cells.items()
-        ]
-        quiet = {"comparable": True, "load_before": 0.5, "foreign_share": 0.0}
-        (tmp_path / name / "results.json").write_text(
-            json.dumps({"headline": rows, "environment": env, "quietness": quiet})
-        )
+        _headline_record(tmp_path, name, cpu_id, [_headline_row(cell, v, 8) for cell, v in cells.items()])
     block = render_headline(tmp_path, README)
     assert "0.500 [" not in block, block  # machine A's template net: paired fits measured it too
     assert "0.980 [0.880, 1.08] / 0.990 [0.890, 1.09]" in block  # ...and they are shown
