@@ -201,8 +201,8 @@ def _batch_moments(
     if group is None:
         mean = torch.add(approx_mean, sum_buf, alpha=inv_local)
         return state, approx_mean, _Moments(local_count, inv_local, mean, m2.mul_(inv_local), sum_buf, inv_local)
-    count, mean, offset, m2 = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size, exchange)
-    inv_count = count.clamp(min=1).reciprocal_()
+    merged = _gather_moments(approx_mean, sum_buf, m2, local_count, group, world_size, exchange)
+    count, inv_count, mean, offset, m2 = merged
     return state, approx_mean, _Moments(count, inv_count, mean, m2.mul_(inv_count), offset, 1.0)
 
 
@@ -229,24 +229,23 @@ def _gather_moments(
     group: dist.ProcessGroup,
     world_size: int,
     exchange: StatsExchange | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather (``exchange``'s, if
-    given)."""
-    num_channels = approx_mean.numel()
-    stats = torch.empty(2 * num_channels + 1, dtype=approx_mean.dtype, device=approx_mean.device)
-    stats[0] = local_count
-    torch.add(approx_mean, sum_buf, alpha=1.0 / max(local_count, 1), out=stats[1 : num_channels + 1])
-    stats[num_channels + 1 :] = m2
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(count, 1 / max(count, 1), mean, mean - approx_mean, M2)`` over every rank of ``group``: ONE all_gather
+    (``exchange``'s, if given)."""
+    # Three torch calls build the row [count, mean, M2]: each call from Python costs microseconds, a share of a
+    # small layer's time worth counting.
+    local_mean = torch.add(approx_mean, sum_buf, alpha=1.0 / max(local_count, 1))
+    stats = torch.cat([approx_mean.new_full((1,), local_count), local_mean, m2])
     if exchange is not None:
         gathered = exchange.all_gather(stats)
     else:  # flat output: gloo accepts only the concatenated form, not a (world_size, K) stack
         gathered = stats.new_empty(world_size * stats.numel())
         all_gather_single(gathered, stats, group=group)
-    count, reference, mean_shift, m2 = _merge_moments(gathered.view(world_size, -1))
+    count, clamped_count, reference, mean_shift, m2 = _merge_moments(gathered.view(world_size, -1))
     # The offset from this rank's m0 as (reference - m0) + shift: the first difference is exact
     # when both are close, so the output does not round the global mean (~|mu| ulp) twice.
     offset = (reference - approx_mean).add_(mean_shift)
-    return count, reference + mean_shift, offset, m2
+    return count, clamped_count.reciprocal_(), reference + mean_shift, offset, m2
 
 
 def check_global_count(count: int | Tensor, local_count: int, shape: torch.Size) -> bool:
@@ -267,18 +266,17 @@ def check_global_count(count: int | Tensor, local_count: int, shape: torch.Size)
     return global_count > 0
 
 
-def _merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Merge per-rank rows ``[count, mean, M2]`` (Chan et al.) into the global count, a reference
-    mean (one rank's), the global mean's shift from it, and the global M2."""
+def _merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Merge per-rank rows ``[count, mean, M2]`` (Chan et al.) into the global count, ``max(count, 1)``, a
+    reference mean (one rank's), the global mean's shift from it, and the global M2."""
     num_channels = (gathered.shape[1] - 1) // 2
-    counts = gathered[:, :1]
-    means = gathered[:, 1 : num_channels + 1]
-    m2s = gathered[:, num_channels + 1 :]
+    counts, means, m2s = gathered.split([1, num_channels, num_channels], dim=1)
     count = counts.sum()
+    clamped_count = count.clamp(min=1)
     # Weighted sums of the deviations from one rank's mean, not of the means: n_k * mu_k is
     # large when |mu| >> sigma and its fp32 rounding would shift the merged mean.
     reference = means[counts.argmax()]
     deviations = means - reference
-    mean_shift = (counts * deviations).sum(0) / count.clamp(min=1)
+    mean_shift = (counts * deviations).sum(0) / clamped_count
     m2 = m2s.sum(0) + (counts * (deviations - mean_shift).square()).sum(0)
-    return count, reference, mean_shift, m2
+    return count, clamped_count, reference, mean_shift, m2

@@ -27,6 +27,7 @@ Pure torch; no Lightning.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from datetime import timedelta
@@ -46,6 +47,15 @@ log = logging.getLogger(__name__)
 EXCHANGE_LABEL = "SharedMemoryExchange"
 _LABEL_RE = re.compile(re.escape(EXCHANGE_LABEL) + r"\.(all_gather|all_reduce)\((\w+)\[(\d+)\]\)$")
 _WORD_INTS = 16  # one int32 barrier word per rank, alone on its 64-byte cache line
+# How long a rank polls at an exchange's barrier before it sleeps: the main thread waits there with nothing else to
+# do, and the other rank's lead is mostly under this (a layer's skew); longer leads sleep.
+SPIN_S = 200e-6
+
+
+def spin_seconds(members: int) -> float:
+    """:data:`SPIN_S` where every member can have a core of its own, else 0: a spinning rank would take the core
+    of the rank it waits for."""
+    return SPIN_S if members <= len(os.sched_getaffinity(0)) else 0.0
 
 
 class SharedMemoryExchange:
@@ -62,8 +72,10 @@ class SharedMemoryExchange:
         self._capacity = capacity_bytes
         self._slots = [[slots[k][i * capacity_bytes : (i + 1) * capacity_bytes] for k in self._members] for i in (0, 1)]
         peers = [host.peers[k] for k in self._members]
-        self._barrier = FutexBarrier([words[k][:1] for k in self._members], self._rank, peers, timeout)
+        words = [words[k][:1] for k in self._members]
+        self._barrier = FutexBarrier(words, self._rank, peers, timeout, spin_s=spin_seconds(len(self._members)))
         self._calls = 0
+        self._views: dict[tuple[int, torch.dtype, torch.Size], list[Tensor]] = {}
 
     @property
     def world_size(self) -> int:
@@ -82,23 +94,35 @@ class SharedMemoryExchange:
         """Every member's ``tensor`` (same shape and dtype on each), flat and in rank order: ``all_gather_single``'s
         output."""
         slots = self._exchange(tensor, "all_gather")
-        return torch.cat([slot.view(-1) for slot in slots])
+        return torch.cat(slots if tensor.dim() == 1 else [slot.view(-1) for slot in slots])
 
     def all_reduce_(self, tensor: Tensor) -> Tensor:
         """Sum every member's ``tensor`` into it, members added in rank order; returns ``tensor``."""
-        slots = self._exchange(tensor, "all_reduce")
-        tensor.copy_(slots[0])
-        for slot in slots[1:]:
+        first, second, *rest = self._exchange(tensor, "all_reduce")
+        torch.add(first, second, out=tensor)
+        for slot in rest:
             tensor.add_(slot)
         return tensor
 
     def _exchange(self, tensor: Tensor, kind: str) -> list[Tensor]:
         """Write ``tensor`` into this rank's slot of this call, meet every member, return every member's slot
         viewed as ``tensor``."""
-        nbytes = tensor.numel() * tensor.element_size()
-        assert self.fits(tensor.device, nbytes), (tuple(tensor.shape), tensor.dtype, self._capacity)
-        slots = [slot[:nbytes].view(tensor.dtype).view(tensor.shape) for slot in self._slots[self._calls % 2]]
+        parity = self._calls % 2
         self._calls += 1
+        # A layer's tensors keep their shape from call to call: the views of the slots are made once per shape, as
+        # each torch call from Python costs microseconds, a sizeable share of an exchange of a few KB.
+        key = (parity, tensor.dtype, tensor.shape)
+        slots = self._views.get(key)
+        if slots is None:
+            nbytes = tensor.numel() * tensor.element_size()
+            assert self.fits(tensor.device, nbytes), (tuple(tensor.shape), tensor.dtype, self._capacity)
+            slots = self._views[key] = [
+                slot[:nbytes].view(tensor.dtype).view(tensor.shape) for slot in self._slots[parity]
+            ]
+        if not torch.autograd._profiler_enabled():  # the label is for profiles only (collective counts)
+            slots[self._rank].copy_(tensor)
+            self._barrier.wait()
+            return slots
         label = f"{EXCHANGE_LABEL}.{kind}({str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}])"
         with record_function(label):
             slots[self._rank].copy_(tensor)

@@ -3,6 +3,7 @@ process's results, and a lost peer ends the step as the gradient buckets do."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from collectives.launcher import run_workers
 from parallel.batchnorm.syncbn import SyncBatchNorm
 from parallel.dist_utils import consecutive_rank_group
 from parallel.host import host_reduce
-from parallel.host.host_exchange import EXCHANGE_LABEL, open_shared_memory_exchange
+from parallel.host.host_exchange import EXCHANGE_LABEL, SPIN_S, open_shared_memory_exchange, spin_seconds
 from parallel.host.host_reduce import SharedMemoryAllReduce
 from strategies.fault_tolerance.exit_causes import is_peer_loss
 
@@ -47,8 +48,20 @@ def _both_ways(rank: int, world_size: int, name: str, group_size: int | None) ->
     exchange = open_shared_memory_exchange(host, members, (2 * case.num_features + 1) * 8)
     shared, c10d_ops, exchanges = _run(case, rank, exchange, group)
     plain, plain_ops, _ = _run(case, rank, None, group)
+    # Unprofiled, the exchange labels nothing (a label costs microseconds per call): the same bits.
+    layer = make_layer(case)
+    layer.process_group = group
+    SyncBatchNorm.use_exchange(layer, exchange, group)
+    unprofiled = train_and_eval(layer, case, case.shard(rank), torch.float32)
     host.close()
-    return {"shared": shared, "plain": plain, "c10d": c10d_ops, "exchanges": exchanges, "plain_c10d": plain_ops}
+    return {
+        "shared": shared,
+        "unprofiled": unprofiled,
+        "plain": plain,
+        "c10d": c10d_ops,
+        "exchanges": exchanges,
+        "plain_c10d": plain_ops,
+    }
 
 
 @pytest.mark.parametrize(("name", "world_size"), [("4d-conv", 2), ("empty-rank", 2), ("empty-middle-3ranks", 3)])
@@ -60,6 +73,8 @@ def test_no_gloo_collective_the_same_bits_and_one_process_results(tmp_path, name
         kinds = [label.split("(")[0] for label in result["exchanges"]]
         assert kinds == [f"{EXCHANGE_LABEL}.all_gather", f"{EXCHANGE_LABEL}.all_reduce"] * case.steps
         assert len(result["plain_c10d"]) == 2 * case.steps  # the same layer through gloo: one each way per step
+        for key, value in result["shared"].items():
+            assert all(map(torch.equal, _flat(result["unprofiled"][key]), _flat(value))), key
         for key, value in result["plain"].items():  # gloo's bits (world_size 3: every rank adds in one order)
             if world_size == 2:
                 assert all(map(torch.equal, _flat(result["shared"][key]), _flat(value))), key
@@ -85,6 +100,31 @@ def test_consecutive_groups_exchange_within_their_block(tmp_path):
 
 def _flat(value) -> list[torch.Tensor]:
     return list(value) if isinstance(value, list) else [value]
+
+
+def _alternating_shapes(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    """Tensors of several shapes and dtypes in turn, as a model's layers exchange them (each shape's views of the
+    slots are kept between calls)."""
+    exchange = open_shared_memory_exchange(SharedMemoryAllReduce(), [0, 1], 1024)
+    results = []
+    for step in range(3):
+        for numel, dtype in ((5, torch.float32), (3, torch.float64), (5, torch.float64), (129, torch.float32)):
+            mine = torch.arange(numel, dtype=dtype) + 100 * rank + step
+            results.append([exchange.all_gather(mine), exchange.all_reduce_(mine.clone()), mine])
+    return results
+
+
+def test_tensors_of_several_shapes_in_turn_gather_and_sum_right(tmp_path):
+    results = run_workers(_alternating_shapes, 2, init_file=tmp_path / "store")
+    for rank_results in results:
+        for call, (gathered, summed, _) in enumerate(rank_results):
+            ours, theirs = results[0][call][2], results[1][call][2]
+            assert torch.equal(gathered, torch.cat([ours, theirs])) and torch.equal(summed, ours + theirs)
+
+
+def test_an_exchange_spins_only_where_every_member_has_a_core():
+    cores = len(os.sched_getaffinity(0))
+    assert spin_seconds(cores) == SPIN_S > 0 and spin_seconds(cores + 1) == 0.0
 
 
 def _peer_missing(rank: int, world_size: int) -> dict:

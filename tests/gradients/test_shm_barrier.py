@@ -16,9 +16,10 @@ def _words(count: int) -> list[torch.Tensor]:
     return [torch.zeros(16, dtype=torch.int32) for _ in range(count)]
 
 
-def test_no_rank_passes_a_barrier_before_every_rank_arrived() -> None:
+@pytest.mark.parametrize("spin_s", [0.0, 200e-6], ids=["sleep", "spin-then-sleep"])
+def test_no_rank_passes_a_barrier_before_every_rank_arrived(spin_s: float) -> None:
     words, arrived, passed_early = _words(2), [0, 0], []
-    barriers = [FutexBarrier(words, rank, [own_identity()] * 2) for rank in range(2)]
+    barriers = [FutexBarrier(words, rank, [own_identity()] * 2, spin_s=spin_s) for rank in range(2)]
 
     def rank_loop(rank: int) -> None:
         for round_ in range(1, 2001):
@@ -37,9 +38,10 @@ def test_no_rank_passes_a_barrier_before_every_rank_arrived() -> None:
     assert not any(thread.is_alive() for thread in threads) and passed_early == []
 
 
-def test_a_peer_that_is_gone_raises_within_a_poll() -> None:
+@pytest.mark.parametrize("spin_s", [0.0, 0.05], ids=["sleep", "spin-then-sleep"])
+def test_a_peer_that_is_gone_raises_within_a_poll(spin_s: float) -> None:
     gone = ProcessIdentity(own_identity().pid, own_identity().start_ticks + 1)  # same pid, another start: reused
-    barrier = FutexBarrier(_words(2), 0, [own_identity(), gone])
+    barrier = FutexBarrier(_words(2), 0, [own_identity(), gone], spin_s=spin_s)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=f"{PEER_LOSS_TEXT}: rank 1 .* exited while rank 0 waited"):
         barrier.wait()
