@@ -98,9 +98,11 @@ class SharedMemoryExchange:
 
     def all_reduce_(self, tensor: Tensor) -> Tensor:
         """Sum every member's ``tensor`` into it, members added in rank order; returns ``tensor``."""
-        first, second, *rest = self._exchange(tensor, "all_reduce")
-        torch.add(first, second, out=tensor)
-        for slot in rest:
+        slots = self._exchange(tensor, "all_reduce")
+        if len(slots) == 1:
+            return tensor.copy_(slots[0])
+        torch.add(slots[0], slots[1], out=tensor)  # 2 members (the common case): one call
+        for slot in slots[2:]:
             tensor.add_(slot)
         return tensor
 

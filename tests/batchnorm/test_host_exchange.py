@@ -122,6 +122,17 @@ def test_tensors_of_several_shapes_in_turn_gather_and_sum_right(tmp_path):
             assert torch.equal(gathered, torch.cat([ours, theirs])) and torch.equal(summed, ours + theirs)
 
 
+def _one_member_each(rank: int, world_size: int) -> list[torch.Tensor]:
+    exchange = open_shared_memory_exchange(SharedMemoryAllReduce(), [rank], 64)  # a group of one rank each
+    mine = torch.arange(4.0) + rank
+    return [exchange.all_gather(mine), exchange.all_reduce_(mine.clone()), mine]
+
+
+def test_a_group_of_one_gathers_and_sums_its_own_tensor(tmp_path):
+    for gathered, summed, mine in run_workers(_one_member_each, 2, init_file=tmp_path / "store"):
+        assert torch.equal(gathered, mine) and torch.equal(summed, mine)
+
+
 def test_an_exchange_spins_only_where_every_member_has_a_core():
     cores = len(os.sched_getaffinity(0))
     assert spin_seconds(cores) == SPIN_S > 0 and spin_seconds(cores + 1) == 0.0
