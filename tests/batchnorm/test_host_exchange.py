@@ -28,14 +28,18 @@ def _c10d_ops(prof: profile) -> list[str]:
     return [event.name for event in prof.events() if event.name.startswith("c10d::")]
 
 
-def _run(case, rank: int, exchange, group=None) -> tuple[dict, list[str], list[str]]:
-    """``case`` through a fresh layer, its collectives through ``exchange`` (``None``: the process group): the
-    results, the c10d ops and the exchanges it issued."""
+def _train(case, rank: int, exchange, group=None) -> dict:
+    """``case`` through a fresh layer, its collectives through ``exchange`` (``None``: the process group)."""
     layer = make_layer(case)
     layer.process_group = group
     SyncBatchNorm.use_exchange(layer, exchange, group)
+    return train_and_eval(layer, case, case.shard(rank), torch.float32)
+
+
+def _run(case, rank: int, exchange, group=None) -> tuple[dict, list[str], list[str]]:
+    """:func:`_train` profiled: the results, the c10d ops and the exchanges it issued."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        result = train_and_eval(layer, case, case.shard(rank), torch.float32)
+        result = _train(case, rank, exchange, group)
     exchanges = [e.name for e in prof.events() if e.name.startswith(EXCHANGE_LABEL)]
     return result, _c10d_ops(prof), exchanges
 
@@ -48,11 +52,7 @@ def _both_ways(rank: int, world_size: int, name: str, group_size: int | None) ->
     exchange = open_shared_memory_exchange(host, members, (2 * case.num_features + 1) * 8)
     shared, c10d_ops, exchanges = _run(case, rank, exchange, group)
     plain, plain_ops, _ = _run(case, rank, None, group)
-    # Unprofiled, the exchange labels nothing (a label costs microseconds per call): the same bits.
-    layer = make_layer(case)
-    layer.process_group = group
-    SyncBatchNorm.use_exchange(layer, exchange, group)
-    unprofiled = train_and_eval(layer, case, case.shard(rank), torch.float32)
+    unprofiled = _train(case, rank, exchange, group)  # the exchange labels nothing then: the same bits
     host.close()
     return {
         "shared": shared,
