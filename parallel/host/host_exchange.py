@@ -30,6 +30,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -121,12 +122,11 @@ class SharedMemoryExchange:
             slots = self._views[key] = [
                 slot[:nbytes].view(tensor.dtype).view(tensor.shape) for slot in self._slots[parity]
             ]
-        if not torch.autograd._profiler_enabled():  # the label is for profiles only (collective counts)
-            slots[self._rank].copy_(tensor)
-            self._barrier.wait()
-            return slots
-        label = f"{EXCHANGE_LABEL}.{kind}({str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}])"
-        with record_function(label):
+        scope = nullcontext()
+        if torch.autograd._profiler_enabled():  # the label is for profiles only (collective counts)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            scope = record_function(f"{EXCHANGE_LABEL}.{kind}({dtype}[{tensor.numel()}])")
+        with scope:
             slots[self._rank].copy_(tensor)
             self._barrier.wait()
         return slots
